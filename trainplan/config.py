@@ -1,0 +1,258 @@
+"""RunConfig: one validated configuration that drives plan, train and accept.
+
+Nested keyword-only dataclasses; each section validates itself in __post_init__ and names the
+field (`batch.micro_batch_size`) and the fix. Load from TOML, then apply `--set key=value`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainplan.errors import ConfigError, nearest
+
+MODES = ("full", "lora", "qlora", "inference")
+PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16")
+OPTIMIZERS = ("adamw", "adamw-8bit", "sgd", "sgd-momentum", "adafactor")
+OPTIM_IMPLS = ("auto", "foreach", "fused", "for-loop")
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-grad-op")
+ATTENTIONS = ("sdpa", "eager")
+
+
+def _choice(section: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{section}.{name}", f"unknown value {value!r}", nearest(str(value), choices))
+
+
+def _positive_int(section: str, name: str, value: Any, *, minimum: int = 1, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{section}.{name}", f"must be an integer >= {minimum} (got {value!r})",
+                          f"set {section}.{name} to an integer >= {minimum}")
+
+
+def _fraction(section: str, name: str, value: Any, *, top: float = 1.0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < top:
+        raise ConfigError(f"{section}.{name}", f"must be a number in [0, {top}) (got {value!r})",
+                          f"set {section}.{name} to a value in [0, {top})")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    source: str = "default"  # "default" (embedded SmolLM2-135M), preset, HF dir, config.json, .gguf
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise ConfigError("model.source", "is empty", "name a preset, an HF directory, a config.json or a .gguf")
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+
+    def __post_init__(self) -> None:
+        _positive_int("lora", "r", self.r)
+        _fraction("lora", "dropout", self.dropout)
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or self.alpha <= 0:
+            raise ConfigError("lora.alpha", f"must be positive (got {self.alpha!r})", "set lora.alpha > 0, e.g. 2*r")
+        if not self.target_modules or not all(isinstance(m, str) for m in self.target_modules):
+            raise ConfigError("lora.target_modules", "must be a non-empty list of module names",
+                              'e.g. target_modules = ["q_proj", "v_proj"]')
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    name: str = "adamw"
+    implementation: str = "auto"  # auto: foreach on GPUs, for-loop on CPU (torch's own default)
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        _choice("optim", "name", self.name, OPTIMIZERS)
+        _choice("optim", "implementation", self.implementation, OPTIM_IMPLS)
+        if isinstance(self.lr, bool) or not isinstance(self.lr, int | float) or self.lr <= 0:
+            raise ConfigError("optim.lr", f"must be positive (got {self.lr!r})", "set optim.lr, e.g. 1e-4")
+
+
+@dataclass(kw_only=True)
+class BatchConfig:
+    micro_batch_size: int | None = None  # per device; default 1 unless derivable
+    grad_accum_steps: int | None = None
+    global_batch_size: int | None = None  # sequences per optimizer step, all ranks
+    seq_len: int = 512  # tokens per sequence (inference: prompt + generated context)
+
+    def __post_init__(self) -> None:
+        _positive_int("batch", "micro_batch_size", self.micro_batch_size, optional=True)
+        _positive_int("batch", "grad_accum_steps", self.grad_accum_steps, optional=True)
+        _positive_int("batch", "global_batch_size", self.global_batch_size, optional=True)
+        _positive_int("batch", "seq_len", self.seq_len)
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    strategy: str = "ddp"  # how data-parallel replicas share state; irrelevant at dp=1
+    tp: int = 1
+    pp: int = 1
+    offload_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        _choice("parallel", "strategy", self.strategy, STRATEGIES)
+        if self.strategy == "fsdp":
+            self.strategy = "zero3"
+        _positive_int("parallel", "tp", self.tp)
+        _positive_int("parallel", "pp", self.pp)
+
+
+@dataclass(kw_only=True)
+class MemoryConfig:
+    activation_checkpointing: bool = False
+    attention: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        _choice("memory", "attention", self.attention, ATTENTIONS)
+
+
+@dataclass(kw_only=True)
+class HardwareConfig:
+    gpus: str = "auto"  # "8xH100-80GB", "A100-80GB,RTX4090", "2x24GiB", "cpu", "auto"
+    gpu_mem: str | None = None  # overrides the capacity of every GPU, e.g. "24GiB"
+    host_mem: str | None = None  # host RAM per node for offloaded states; default: this machine's
+    cuda_context_mib: int = 600  # CUDA context + kernel images, per GPU process
+    cublas_workspace_mib: int = 32  # cuBLAS workspace per handle (Hopper default)
+    cpu_runtime_mib: int = 512  # python + torch libraries in a CPU process
+    allocator_reserve: float = 0.05  # cached-but-unused allocator memory, fraction of peak allocated
+    safety_margin: float = 0.0  # extra fraction of capacity kept free for the verdict
+
+    def __post_init__(self) -> None:
+        for name in ("cuda_context_mib", "cublas_workspace_mib", "cpu_runtime_mib"):
+            _positive_int("hardware", name, getattr(self, name), minimum=0)
+        _fraction("hardware", "allocator_reserve", self.allocator_reserve)
+        _fraction("hardware", "safety_margin", self.safety_margin, top=0.9)
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    mode: str = "full"
+    precision: str = "amp-bf16"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+
+    def __post_init__(self) -> None:
+        _choice("run", "mode", self.mode, MODES)
+        _choice("run", "precision", self.precision, PRECISIONS)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_SECTION_TYPES = {"model": ModelConfig, "lora": LoraConfig, "optim": OptimConfig, "batch": BatchConfig,
+                  "parallel": ParallelConfig, "memory": MemoryConfig, "hardware": HardwareConfig}
+_TOP_KEYS = ("mode", "precision")
+
+
+def _known_keys() -> list[str]:
+    keys = [f"run.{k}" for k in _TOP_KEYS] + list(_TOP_KEYS)
+    for sec, cls in _SECTION_TYPES.items():
+        keys += [f"{sec}.{f.name}" for f in dataclasses.fields(cls)]
+    return keys
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if parts[0] == "run":
+        parts = parts[1:]
+    if len(parts) == 1 and parts[0] in _TOP_KEYS:
+        tree[parts[0]] = value
+        return
+    if len(parts) != 2 or parts[0] not in _SECTION_TYPES:
+        raise ConfigError(dotted, "unknown setting", nearest(dotted, _known_keys()))
+    tree.setdefault(parts[0], {})[parts[1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'batch.seq_len=2048' -> ('batch.seq_len', 2048); the value is read as a TOML literal."""
+    if "=" not in text:
+        raise ConfigError("--set", f"{text!r} is not key=value", "write e.g. --set batch.seq_len=2048")
+    key, raw = (s.strip() for s in text.split("=", 1))
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word such as lora or H100-80GB
+    return key, value
+
+
+def from_dict(tree: dict) -> RunConfig:
+    """Build and validate a RunConfig from a TOML-shaped dict; unknown keys are errors."""
+    tree = dict(tree)
+    run = tree.pop("run", {}) or {}
+    top = {k: tree.pop(k) for k in _TOP_KEYS if k in tree}
+    top.update({k: v for k, v in run.items()})
+    sections: dict[str, Any] = {}
+    for name, body in tree.items():
+        cls = _SECTION_TYPES.get(name)
+        if cls is None or not isinstance(body, dict):
+            raise ConfigError(name, "unknown section or setting", nearest(name, list(_SECTION_TYPES) + list(_TOP_KEYS)))
+        allowed = {f.name for f in dataclasses.fields(cls)}
+        for key in body:
+            if key not in allowed:
+                raise ConfigError(f"{name}.{key}", "unknown setting", nearest(key, sorted(allowed)))
+        try:
+            sections[name] = cls(**body)
+        except TypeError as e:  # wrong type that the dataclass itself rejected
+            raise ConfigError(name, str(e), "check the section's value types") from None
+    for key in top:
+        if key not in _TOP_KEYS:
+            raise ConfigError(f"run.{key}", "unknown setting", nearest(key, list(_TOP_KEYS)))
+    return RunConfig(**top, **sections)
+
+
+def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
+         settings: dict[str, Any] | None = None) -> RunConfig:
+    """Read a TOML config (or start from defaults), apply typed `settings` (from CLI flags),
+    then `key=value` overrides (--set), which win."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError("config", f"no such file {str(p)!r}", "pass the path of a TOML config")
+        try:
+            tree = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(str(p), f"invalid TOML ({e})", "fix the syntax") from None
+    for key, value in (settings or {}).items():
+        _set_dotted(tree, key, value)
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(tree, key, value)
+    return from_dict(tree)
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """Write a RunConfig as TOML that `load` reads back to an equal object."""
+
+    def lit(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(lit(x) for x in v) + "]"
+        return repr(v)
+
+    d = cfg.to_dict()
+    lines = [f"{k} = {lit(d.pop(k))}" for k in _TOP_KEYS]
+    for sec, body in d.items():
+        lines += ["", f"[{sec}]"] + [f"{k} = {lit(v)}" for k, v in body.items() if v is not None]
+    return "\n".join(lines) + "\n"

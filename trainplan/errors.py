@@ -1,0 +1,26 @@
+"""User-facing errors. Each message is one line: the field, what is wrong, and the fix."""
+
+from __future__ import annotations
+
+import difflib
+
+
+class TrainplanError(ValueError):
+    """A user error: bad input, a refused configuration. The CLI prints it on one line, exit 2."""
+
+
+class ConfigError(TrainplanError):
+    """A configuration field is invalid."""
+
+    def __init__(self, field: str, problem: str, fix: str):
+        self.field = field
+        super().__init__(f"{field}: {problem}; {fix}")
+
+
+def nearest(name: str, choices: list[str] | tuple[str, ...], n: int = 3) -> str:
+    """'did you mean ...' text for an unknown name (case-insensitive)."""
+    lowered = {c.lower(): c for c in choices}
+    hits = difflib.get_close_matches(name.lower(), list(lowered), n=n, cutoff=0.4)
+    if hits:
+        return "did you mean " + " or ".join(repr(lowered[h]) for h in hits) + "?"
+    return "choose one of " + ", ".join(sorted(choices))

@@ -1,0 +1,246 @@
+"""Activation memory: the tensors autograd saves for backward, enumerated one by one.
+
+Each entry names the tensor in the transformers implementation that saves it, so the ledger
+can say *why* activations cost what they cost. The literature formula (Korthikanti et al.
+2022) is kept beside it as a hand-checkable reference; tests pin both.
+
+Conventions: T = micro-batch x sequence tokens on this rank, h hidden size, I MLP width,
+cb compute bytes (2 under bf16/fp16), rb bytes of the residual stream (fp32 under autocast:
+the embedding output is fp32 and every residual add promotes to fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainplan.spec.model import ModelSpec
+
+BOOL = 1  # dropout masks are torch.bool, one byte per element
+FP32 = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavedTensor:
+    name: str
+    nbytes: int
+    note: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActContext:
+    batch: int  # micro-batch size per rank
+    seq: int
+    compute_bytes: int
+    residual_bytes: int
+    autocast: bool
+    trainable_linears: frozenset[str]  # base linear modules whose weight requires grad
+    norms_trainable: bool
+    lora_targets: frozenset[str] = frozenset()
+    lora_r: int = 0
+    lora_dropout: float = 0.0
+    adapter_bytes: int = FP32
+    attention: str = "sdpa"
+    dropout_active: bool = True  # training mode: nn.Dropout with p > 0 saves a mask
+    tp: int = 1
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+def _linear_inputs(spec: ModelSpec, ctx: ActContext, modules: list[tuple[str, int]], source: str,
+                   source_bytes: int) -> list[SavedTensor]:
+    """Inputs saved by the linears reading one tensor (`source`, in_features each).
+
+    A linear saves its input only when its weight needs a gradient. Under autocast each call
+    casts the (fp32) input to the compute dtype anew, and each cast is saved separately: casts
+    of non-leaf tensors are not cached. Without autocast the one source tensor is shared.
+    LoRA (PEFT's lora.Linear): dropout(x) saves a bool mask, lora_A saves its (cast) input
+    and lora_B saves lora_A's output, r wide.
+    """
+    t, cb = ctx.tokens, ctx.compute_bytes
+    out: list[SavedTensor] = []
+    base_trainable = [(m, n) for m, n in modules if m in ctx.trainable_linears]
+    if base_trainable:
+        if ctx.autocast and source_bytes != cb:
+            out += [SavedTensor(name=f"{m}.input", nbytes=t * n * cb, note="autocast copy")
+                    for m, n in base_trainable]
+        else:
+            n = base_trainable[0][1]
+            out.append(SavedTensor(name=f"{source} (input of {'/'.join(m for m, _ in base_trainable)})",
+                                   nbytes=t * n * source_bytes))
+    for m, n in modules:
+        if m not in ctx.lora_targets:
+            continue
+        in_bytes = ctx.adapter_bytes if not ctx.autocast else cb
+        if ctx.lora_dropout > 0 and ctx.dropout_active:
+            out.append(SavedTensor(name=f"{m}.lora_dropout.mask", nbytes=t * n * BOOL))
+        out.append(SavedTensor(name=f"{m}.lora_A.input", nbytes=t * n * in_bytes))
+        out.append(SavedTensor(name=f"{m}.lora_B.input", nbytes=t * ctx.lora_r * (cb if ctx.autocast else in_bytes)))
+    return out
+
+
+def _norm(name: str, spec: ModelSpec, ctx: ActContext, input_bytes: int) -> list[SavedTensor]:
+    """RMSNorm saves its fp32 input (x.to(float32): a copy when x is 16-bit) and, when its weight
+    trains, the normalized tensor. LayerNorm (native_layer_norm) saves its input plus fp32 mean
+    and rstd per token."""
+    t, h = ctx.tokens, spec.hidden_size
+    if spec.norm == "layernorm":
+        return [SavedTensor(name=f"{name}.input", nbytes=t * h * input_bytes),
+                SavedTensor(name=f"{name}.mean+rstd", nbytes=2 * t * FP32)]
+    out = [SavedTensor(name=f"{name}.input (fp32)", nbytes=t * h * FP32),
+           SavedTensor(name=f"{name}.rsqrt", nbytes=t * FP32)]
+    if ctx.norms_trainable:
+        normed_bytes = FP32 if spec.model_type == "gemma2" else input_bytes
+        out.append(SavedTensor(name=f"{name}.normalized", nbytes=t * h * normed_bytes))
+    return out
+
+
+def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bool = True) -> list[SavedTensor]:
+    t, h, cb, rb = ctx.tokens, spec.hidden_size, ctx.compute_bytes, ctx.residual_bytes
+    q_dim, kv_dim = spec.q_dim // ctx.tp, spec.kv_dim // ctx.tp
+    heads = spec.num_heads // ctx.tp
+    out: list[SavedTensor] = []
+    norm_name = "ln_1" if spec.model_type == "gpt2" else "input_layernorm"
+    if input_requires_grad:
+        out += _norm(norm_name, spec, ctx, rb)
+    norm_out_bytes = rb
+    if spec.fused_qkv:
+        out += _linear_inputs(spec, ctx, [(spec.layer_linears[0].module, h)], f"{norm_name}.output", norm_out_bytes)
+    else:
+        out += _linear_inputs(spec, ctx, [("q_proj", h), ("k_proj", h), ("v_proj", h)],
+                              f"{norm_name}.output", norm_out_bytes)
+    # q, k after rotary: under autocast cos/sin are fp32 (they follow the fp32 hidden states), so
+    # q_embed is fp32 and SDPA casts it back; the bf16 casts are what SDPA saves.
+    qk_bytes = cb if ctx.autocast or spec.model_type == "gpt2" else rb
+    if ctx.attention == "eager":
+        s = ctx.seq
+        scores = ctx.batch * heads * s * s
+        kv_rep = q_dim  # repeat_kv materializes K and V at the full head count
+        out += [SavedTensor(name="attn.query", nbytes=t * q_dim * qk_bytes),
+                SavedTensor(name="attn.key (repeated to all heads)", nbytes=t * kv_rep * qk_bytes),
+                SavedTensor(name="attn.value (repeated to all heads)", nbytes=t * kv_rep * cb),
+                ]
+        # Llama-style eager attention takes softmax in fp32 and casts back (both saved); GPT-2's
+        # softmax runs in the scores' dtype, which autocast promotes to fp32.
+        softmax_bytes = FP32 if (ctx.autocast or spec.model_type != "gpt2") else cb
+        out.append(SavedTensor(name="attn.softmax output", nbytes=scores * softmax_bytes, note="s^2 term"))
+        if softmax_bytes != cb:
+            out.append(SavedTensor(name="attn.probs (cast to compute dtype)", nbytes=scores * cb,
+                                   note="s^2 term"))
+        if spec.attn_dropout > 0 and ctx.dropout_active:
+            out += [SavedTensor(name="attn.dropout mask", nbytes=scores * BOOL, note="s^2 term"),
+                    SavedTensor(name="attn.dropout output", nbytes=scores * cb, note="s^2 term")]
+    else:
+        out += [SavedTensor(name="sdpa.query", nbytes=t * q_dim * qk_bytes),
+                SavedTensor(name="sdpa.key", nbytes=t * kv_dim * qk_bytes),
+                SavedTensor(name="sdpa.value", nbytes=t * kv_dim * cb),
+                SavedTensor(name="sdpa.output", nbytes=t * q_dim * cb),
+                SavedTensor(name="sdpa.logsumexp (fp32)", nbytes=ctx.batch * heads * ctx.seq * FP32)]
+    o_name = "c_proj" if spec.model_type == "gpt2" else "o_proj"
+    out += _linear_inputs(spec, ctx, [(o_name, q_dim)], "attn.output (transposed, contiguous)", cb)
+    if spec.resid_dropout > 0 and ctx.dropout_active:
+        out.append(SavedTensor(name="attn.resid_dropout mask", nbytes=t * h * BOOL))
+    if spec.norms_per_layer == 4:  # Gemma-2: post_attention_layernorm normalizes the attention output
+        out += _norm("post_attention_layernorm", spec, ctx, cb)
+    return out
+
+
+def mlp_saved(spec: ModelSpec, ctx: ActContext) -> list[SavedTensor]:
+    t, h, cb, rb = ctx.tokens, spec.hidden_size, ctx.compute_bytes, ctx.residual_bytes
+    inter = spec.intermediate_size // ctx.tp
+    out: list[SavedTensor] = []
+    if spec.model_type == "gpt2":
+        norm_name = "ln_2"
+    elif spec.norms_per_layer == 4:
+        norm_name = "pre_feedforward_layernorm"
+    else:
+        norm_name = "post_attention_layernorm"
+    out += _norm(norm_name, spec, ctx, rb)
+    k = spec.experts_per_token or 1  # MoE: each token runs through k experts
+    if spec.num_experts:
+        out.append(SavedTensor(name="router logits/probs (fp32)", nbytes=2 * t * spec.num_experts * FP32))
+        out.append(SavedTensor(name="experts.input (gathered tokens)", nbytes=k * t * h * cb))
+    elif spec.mlp == "dense":
+        out += _linear_inputs(spec, ctx, [("c_fc", h)], f"{norm_name}.output", rb)
+    elif spec.fused_gate_up:
+        out += _linear_inputs(spec, ctx, [("gate_up_proj", h)], f"{norm_name}.output", rb)
+    else:
+        out += _linear_inputs(spec, ctx, [("gate_proj", h), ("up_proj", h)], f"{norm_name}.output", rb)
+    width = k * t * inter
+    if spec.mlp == "dense":
+        act_saves = 4 if spec.hidden_act in ("gelu_new", "gelu_fast") else 1  # python tanh-GELU saves 4 tensors
+        out.append(SavedTensor(name=f"act ({spec.hidden_act}) saved tensors", nbytes=act_saves * width * cb))
+        down_name, down_in = "c_proj", "act output"
+    else:
+        out += [SavedTensor(name="gate_proj.output (act input)", nbytes=width * cb),
+                SavedTensor(name="up_proj.output", nbytes=width * cb),
+                SavedTensor(name="act(gate) output", nbytes=width * cb)]
+        down_name, down_in = "down_proj", "act(gate) * up"
+    if spec.num_experts:
+        out.append(SavedTensor(name="experts.down input", nbytes=width * cb))
+    else:
+        out += _linear_inputs(spec, ctx, [(down_name, inter)], down_in, cb)
+    if spec.resid_dropout > 0 and ctx.dropout_active:
+        out.append(SavedTensor(name="mlp.resid_dropout mask", nbytes=t * h * BOOL))
+    if spec.norms_per_layer == 4:
+        out += _norm("post_feedforward_layernorm", spec, ctx, cb)
+    return out
+
+
+def layer_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bool = True) -> list[SavedTensor]:
+    """Everything one decoder layer saves for backward during one micro-batch."""
+    return attention_saved(spec, ctx, input_requires_grad=input_requires_grad) + mlp_saved(spec, ctx)
+
+
+def total(saved: list[SavedTensor]) -> int:
+    return sum(s.nbytes for s in saved)
+
+
+def head_saved(spec: ModelSpec, ctx: ActContext, lm_head_trainable: bool) -> list[SavedTensor]:
+    """The final norm and the lm_head's saved input (on the last pipeline stage)."""
+    name = "ln_f" if spec.model_type == "gpt2" else "norm"
+    out = _norm(name, spec, ctx, ctx.residual_bytes)
+    if lm_head_trainable:
+        in_bytes = ctx.compute_bytes if ctx.autocast else ctx.residual_bytes
+        out.append(SavedTensor(name="lm_head.input", nbytes=ctx.tokens * spec.hidden_size * in_bytes))
+    return out
+
+
+def logits_loss_bytes(spec: ModelSpec, ctx: ActContext) -> dict[str, int]:
+    """Logits and cross-entropy buffers at their forward and backward peaks.
+
+    transformers' ForCausalLMLoss upcasts logits to fp32 (`logits.float()`) and calls
+    cross_entropy = log_softmax (saves its fp32 output) + nll_loss. Forward peak: logits in
+    the compute dtype + the fp32 upcast + log_softmax output. Backward peak: log_softmax output
+    + nll_loss's dense grad + log_softmax's grad, all fp32. The training loop drops the model
+    output before backward, so the compute-dtype logits are gone by then.
+    Gemma-2's final logit soft-capping adds tanh's saved output.
+    """
+    tv = ctx.tokens * -(-spec.vocab_size // ctx.tp)  # vocab-parallel loss shards the vocab
+    cb = ctx.compute_bytes
+    fwd = tv * (cb + FP32 if cb != FP32 else FP32) + tv * FP32
+    bwd = 3 * tv * FP32
+    if spec.model_type == "gemma2":
+        fwd += tv * cb
+        bwd += tv * cb
+    return {"forward": fwd, "backward": bwd}
+
+
+def korthikanti_layer_bytes(*, s: int, b: int, h: int, a: int, t: int = 1, recompute: str = "none") -> int:
+    """Activation bytes per transformer layer, Korthikanti et al. 2022 ("Reducing Activation
+    Recomputation in Large Transformer Models"), 16-bit activations, GPT-style layer with
+    dropout and a 4h GELU MLP.
+
+    none:      sbh (10 + 24/t + 5as/(ht))    -- Eq. (2); t=1 gives 34sbh + 5as^2b
+    selective: sbh (10 + 24/t)                -- Sec. 5 (attention core recomputed)
+    full:      2sbh                           -- only the layer input is kept
+    """
+    if recompute == "full":
+        return 2 * s * b * h
+    per = 10 * s * b * h + 24 * s * b * h // t
+    if recompute == "none":
+        per += 5 * a * s * s * b // t
+    elif recompute != "selective":
+        raise ValueError(f"recompute must be none, selective or full (got {recompute!r})")
+    return per

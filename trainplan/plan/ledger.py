@@ -1,0 +1,247 @@
+"""The ledger: bytes per component, per phase, per device, with the verdict and the reasons.
+
+Component names are shared with the traced plan and with the measurements, so a plan and a
+measurement line up row by row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainplan.spec.devices import GiB, DeviceSpec
+
+SCHEMA = "trainplan.plan/1"
+
+COMPONENTS = (
+    "weights",  # parameters as stored (sharded where the strategy shards them)
+    "weight_copies",  # autocast casts, FSDP all-gathered units, QLoRA dequantized weight
+    "adapter",  # LoRA A/B: weights, gradients, optimizer states (fp32)
+    "gradients",
+    "optimizer",  # optimizer states
+    "optimizer_temp",  # temporaries inside optimizer.step()
+    "activations",  # tensors saved for backward (inference: the largest transient)
+    "logits_loss",  # logits and cross-entropy buffers
+    "kv_cache",
+    "buffers",  # registered module buffers (rotary frequencies, ...)
+    "comm_buffers",  # reduce-scatter / pipeline send-recv buffers
+    "runtime",  # CUDA context + cuBLAS workspace, or the CPU process's libraries
+    "allocator_reserve",  # cached-but-unused allocator blocks
+)
+
+RESULT_FITS, RESULT_DOES_NOT_FIT, RESULT_BAD_INPUT = 0, 1, 2
+
+
+@dataclass(kw_only=True)
+class DeviceLedger:
+    """One device's bill. `phases` holds allocated bytes per component in each phase."""
+
+    label: str  # "GPU 0", "host"
+    device: DeviceSpec
+    role: str
+    phases: dict[str, dict[str, int]]
+    runtime_bytes: int
+    reserve_fraction: float
+    safety_margin: float = 0.0
+    explain: dict[str, str] = field(default_factory=dict)
+    details: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    ranks: list[int] = field(default_factory=list)
+    offload_bytes: int = 0  # what this rank keeps in host memory (optimizer offload)
+
+    def phase_total(self, phase: str) -> int:
+        return sum(self.phases[phase].values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phase_total)
+
+    @property
+    def peak_allocated(self) -> int:
+        return self.phase_total(self.peak_phase)
+
+    @property
+    def reserve_bytes(self) -> int:
+        return int(self.reserve_fraction * self.peak_allocated)
+
+    @property
+    def components(self) -> dict[str, int]:
+        """Bytes per component at the peak phase, plus runtime and allocator reserve."""
+        at_peak = dict(self.phases[self.peak_phase])
+        at_peak["runtime"] = self.runtime_bytes
+        at_peak["allocator_reserve"] = self.reserve_bytes
+        return {c: at_peak.get(c, 0) for c in COMPONENTS}
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_allocated + self.runtime_bytes + self.reserve_bytes
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.device.capacity_bytes * (1 - self.safety_margin))
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.usable_bytes - self.total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_bytes >= 0
+
+    @property
+    def largest_component(self) -> str:
+        comps = self.components
+        return max(comps, key=comps.get)
+
+    def bill_key(self) -> tuple:
+        """Devices with the same bill and device type are shown as one column."""
+        return (self.device.name, self.device.capacity_bytes, self.role.split(" rank")[0],
+                tuple(sorted(self.components.items())), tuple(self.phases))
+
+    def to_json(self) -> dict:
+        return {
+            "label": self.label, "ranks": self.ranks, "device": self.device.name, "kind": self.device.kind,
+            "capacity_bytes": self.device.capacity_bytes, "usable_bytes": self.usable_bytes,
+            "role": self.role, "components": self.components,
+            "phases": {p: {**c, "total": sum(c.values())} for p, c in self.phases.items()},
+            "peak_phase": self.peak_phase, "peak_allocated_bytes": self.peak_allocated,
+            "total_bytes": self.total_bytes, "headroom_bytes": self.headroom_bytes, "fits": self.fits,
+            "largest_component": self.largest_component, "explain": self.explain,
+            "details": {k: [{"name": n, "bytes": b} for n, b in v] for k, v in self.details.items()},
+        }
+
+
+@dataclass(kw_only=True)
+class Ledger:
+    model: dict
+    settings: dict
+    devices: list[DeviceLedger]  # one per rank
+    host: DeviceLedger | None = None
+    notes: list[str] = field(default_factory=list)
+    source: str = "analytic"
+
+    @property
+    def all_ledgers(self) -> list[DeviceLedger]:
+        return self.devices + ([self.host] if self.host else [])
+
+    @property
+    def fits(self) -> bool:
+        return all(d.fits for d in self.all_ledgers)
+
+    @property
+    def exit_code(self) -> int:
+        return RESULT_FITS if self.fits else RESULT_DOES_NOT_FIT
+
+    def verdict(self) -> str:
+        bad, seen = [], set()
+        for d in self.all_ledgers:
+            if not d.fits and d.bill_key() not in seen:
+                seen.add(d.bill_key())
+                bad.append(d)
+        if not bad:
+            tight = min(self.all_ledgers, key=lambda d: d.headroom_bytes)
+            return (f"FITS on every device; least headroom {gib(tight.headroom_bytes)} on {tight.label} "
+                    f"({tight.device.name}) at the {tight.peak_phase} peak")
+        parts = []
+        for d in bad:
+            comp = d.largest_component
+            alike = sum(1 for x in self.devices if x is not d and x.bill_key() == d.bill_key())
+            label = d.label + (f" and {alike} alike" if alike else "")
+            parts.append(f"{label} ({d.device.name}, {gib(d.usable_bytes)} usable) needs "
+                         f"{gib(d.total_bytes)} at the {d.peak_phase} peak, over by {gib(-d.headroom_bytes)}; "
+                         f"largest component {comp} {gib(d.components[comp])}")
+        text = "DOES NOT FIT: " + "; ".join(parts[:3]) + (f"; and {len(parts) - 3} more" if len(parts) > 3 else "")
+        capacity = sum(d.usable_bytes for d in self.devices)
+        needed = sum(d.total_bytes for d in self.devices)
+        if len(self.devices) > 1 and needed <= capacity:
+            text += (f". The devices' combined memory ({gib(capacity)}) would cover the combined bill "
+                     f"({gib(needed)}), but memory does not pool across devices: each must hold its own share")
+        return text
+
+    def to_json(self) -> dict:
+        return {
+            "schema": SCHEMA, "source": self.source, "model": self.model, "settings": self.settings,
+            "devices": [d.to_json() for d in self.devices],
+            "host": self.host.to_json() if self.host else None,
+            "verdict": {"fits": self.fits, "summary": self.verdict(),
+                        "overflows": [{"label": d.label, "device": d.device.name,
+                                       "over_bytes": -d.headroom_bytes, "component": d.largest_component,
+                                       "phase": d.peak_phase} for d in self.all_ledgers if not d.fits]},
+            "notes": self.notes,
+        }
+
+
+def gib(n: int) -> str:
+    """Human bytes: GiB from 1 GiB up, MiB below."""
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _group(ledger: Ledger) -> list[tuple[str, DeviceLedger]]:
+    """Columns: identical devices with identical bills share one column ('GPU 0-7')."""
+    groups: dict[tuple, list[DeviceLedger]] = {}
+    for d in ledger.devices:
+        groups.setdefault(d.bill_key(), []).append(d)
+    cols = []
+    for members in groups.values():
+        first = members[0]
+        if len(members) == 1:
+            title = first.label
+        else:
+            title = f"{first.label} (+{len(members) - 1} alike)"
+        cols.append((title, first))
+    if ledger.host:
+        cols.append(("host", ledger.host))
+    return cols
+
+
+def render_table(ledger: Ledger) -> str:
+    cols = _group(ledger)
+    head = ["component"] + [t for t, _ in cols]
+    rows = [head, [""] + [d.device.name for _, d in cols], [""] + [d.role for _, d in cols]]
+    for comp in COMPONENTS:
+        vals = [d.components[comp] for _, d in cols]
+        if not any(vals):
+            continue
+        rows.append([comp] + [f"{v / GiB:.2f}" for v in vals])
+    rows.append(["TOTAL (GiB)"] + [f"{d.total_bytes / GiB:.2f}" for _, d in cols])
+    rows.append(["capacity (GiB)"] + [f"{d.usable_bytes / GiB:.2f}" for _, d in cols])
+    rows.append(["headroom (GiB)"] + [f"{d.headroom_bytes / GiB:+.2f}" for _, d in cols])
+    rows.append(["peak phase"] + [d.peak_phase for _, d in cols])
+    rows.append(["verdict"] + ["fits" if d.fits else "DOES NOT FIT" for _, d in cols])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    rule = "-" * max(len(x) for x in lines)
+    total_at = next(i for i, r in enumerate(rows) if r[0] == "TOTAL (GiB)")
+    lines = lines[:3] + [rule] + lines[3:total_at] + [rule] + lines[total_at:]
+    out = [f"trainplan plan — {ledger.model['name']} ({ledger.model['params'] / 1e6:,.1f}M params), "
+           f"{ledger.settings['summary']}", ""]
+    out += lines
+    out += ["", ledger.verdict(), ""]
+    first = cols[0][1]
+    out.append(f"Why ({first.label}, {first.peak_phase} peak):")
+    out += [f"  {c}: {first.explain[c]}" for c in COMPONENTS if first.components[c] and c in first.explain]
+    if ledger.notes:
+        out += ["", "Notes:"] + [f"  - {n}" for n in ledger.notes]
+    return "\n".join(out)
+
+
+def render_markdown(ledger: Ledger) -> str:
+    cols = _group(ledger)
+    out = [f"## trainplan plan: {ledger.model['name']}", "", f"{ledger.settings['summary']}", "",
+           "| component | " + " | ".join(f"{t} ({d.device.name})" for t, d in cols) + " |",
+           "|---|" + "---:|" * len(cols)]
+    for comp in COMPONENTS:
+        vals = [d.components[comp] for _, d in cols]
+        if any(vals):
+            out.append(f"| {comp} | " + " | ".join(f"{v / GiB:.2f}" for v in vals) + " |")
+    out.append("| **total (GiB)** | " + " | ".join(f"**{d.total_bytes / GiB:.2f}**" for _, d in cols) + " |")
+    out.append("| capacity (GiB) | " + " | ".join(f"{d.usable_bytes / GiB:.2f}" for _, d in cols) + " |")
+    out.append("| headroom (GiB) | " + " | ".join(f"{d.headroom_bytes / GiB:+.2f}" for _, d in cols) + " |")
+    out.append("| peak phase | " + " | ".join(d.peak_phase for _, d in cols) + " |")
+    out += ["", f"**{ledger.verdict()}**", ""]
+    first = cols[0][1]
+    out += [f"- **{c}**: {first.explain[c]}" for c in COMPONENTS if first.components[c] and c in first.explain]
+    if ledger.notes:
+        out += [""] + [f"> {n}" for n in ledger.notes]
+    return "\n".join(out) + "\n"

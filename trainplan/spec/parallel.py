@@ -1,0 +1,110 @@
+"""Parallel degrees and batch arithmetic, validated once and shared by plan and run.
+
+Mesh order is (pp, dp, tp), tp innermost as in torchtitan: rank = (pp_i * dp + dp_i) * tp + tp_i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainplan.config import BatchConfig, ParallelConfig
+from trainplan.errors import ConfigError
+from trainplan.spec.model import ModelSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    world_size: int
+    dp: int
+    tp: int
+    pp: int
+    strategy: str  # ddp | zero1 | zero2 | zero3 | fsdp-grad-op (dp > 1), "single" otherwise
+    offload_optimizer: bool = False
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp_stage, dp_index, tp_index) of a global rank."""
+        tp_i = rank % self.tp
+        dp_i = (rank // self.tp) % self.dp
+        return rank // (self.tp * self.dp), dp_i, tp_i
+
+    def stage_layers(self, stage: int, num_layers: int) -> range:
+        """Decoder layers held by a pipeline stage: an even split, earlier stages get the remainder."""
+        base, extra = divmod(num_layers, self.pp)
+        start = stage * base + min(stage, extra)
+        return range(start, start + base + (1 if stage < extra else 0))
+
+    @property
+    def shards_params(self) -> bool:
+        return self.strategy in ("zero3", "fsdp-grad-op")
+
+    def describe(self) -> str:
+        parts = [f"world {self.world_size}", f"dp {self.dp} ({self.strategy})"]
+        if self.tp > 1:
+            parts.append(f"tp {self.tp}")
+        if self.pp > 1:
+            parts.append(f"pp {self.pp} (1F1B)")
+        if self.offload_optimizer:
+            parts.append("optimizer offloaded to host")
+        return ", ".join(parts)
+
+
+def build_parallel_dims(cfg: ParallelConfig, world_size: int, model: ModelSpec) -> ParallelDims:
+    """Check dp x tp x pp = world size and that tp/pp fit the model; say exactly what is wrong."""
+    tp, pp = cfg.tp, cfg.pp
+    if world_size % (tp * pp):
+        raise ConfigError("parallel.tp", f"tp {tp} x pp {pp} = {tp * pp} does not divide the world size "
+                          f"{world_size} (number of devices)",
+                          f"use devices in a multiple of {tp * pp} or change parallel.tp / parallel.pp")
+    if model.num_heads % tp or model.num_kv_heads % tp:
+        raise ConfigError("parallel.tp", f"tp {tp} does not divide the {model.num_heads} attention heads and "
+                          f"{model.num_kv_heads} KV heads of {model.name}",
+                          "choose a tp that divides both head counts")
+    if pp > model.num_layers:
+        raise ConfigError("parallel.pp", f"{pp} pipeline stages exceed the {model.num_layers} layers of "
+                          f"{model.name}", f"use parallel.pp <= {model.num_layers}")
+    dp = world_size // (tp * pp)
+    strategy = cfg.strategy if dp > 1 else "single"
+    return ParallelDims(world_size=world_size, dp=dp, tp=tp, pp=pp, strategy=strategy,
+                        offload_optimizer=cfg.offload_optimizer)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedBatch:
+    micro_batch_size: int
+    grad_accum_steps: int
+    dp: int
+    seq_len: int
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps * self.dp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+
+def resolve_batch(cfg: BatchConfig, dp: int) -> ResolvedBatch:
+    """global = micro x accum x dp. Any two of (global, micro, accum) give the third."""
+    g, m, a = cfg.global_batch_size, cfg.micro_batch_size, cfg.grad_accum_steps
+    if g is None:
+        m, a = m or 1, a or 1
+    elif m is None and a is None:
+        m = 1
+    if g is not None and a is None:
+        if g % (m * dp):
+            raise ConfigError("batch.global_batch_size", f"{g} is not divisible by micro_batch_size {m} x "
+                              f"data-parallel degree {dp} = {m * dp}",
+                              f"set it to a multiple of {m * dp} or change batch.micro_batch_size")
+        a = g // (m * dp)
+    elif g is not None and m is None:
+        if g % (a * dp):
+            raise ConfigError("batch.global_batch_size", f"{g} is not divisible by grad_accum_steps {a} x "
+                              f"data-parallel degree {dp} = {a * dp}",
+                              f"set it to a multiple of {a * dp} or change batch.grad_accum_steps")
+        m = g // (a * dp)
+    elif g is not None and m * a * dp != g:
+        raise ConfigError("batch.global_batch_size", f"{g} != micro_batch_size {m} x grad_accum_steps {a} "
+                          f"x data-parallel degree {dp} = {m * a * dp}",
+                          "give only two of the three, and the third is derived")
+    return ResolvedBatch(micro_batch_size=m, grad_accum_steps=a, dp=dp, seq_len=cfg.seq_len)
