@@ -25,7 +25,11 @@ class Command:
 
 # Flags shared by every command that takes a RunConfig: (flag, config key, argparse kwargs).
 CONFIG_FLAGS: tuple[tuple[str, str, dict], ...] = (
-    ("--model", "model.source", {"help": "preset name, HF model dir, config.json or .gguf (default: embedded SmolLM2-135M)"}),
+    (
+        "--model",
+        "model.source",
+        {"help": "preset name, HF model dir, config.json or .gguf (default: embedded SmolLM2-135M)"},
+    ),
     ("--mode", "mode", {"help": "full | lora | qlora | inference"}),
     ("--precision", "precision", {"help": "fp32 | amp-bf16 | amp-fp16 | bf16"}),
     ("--gpus", "hardware.gpus", {"help": "devices, e.g. 8xH100-80GB, A100-80GB,RTX4090, 2x24GiB, cpu, auto"}),
@@ -54,8 +58,13 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-targets", default=None, help="comma-separated LoRA target modules (default q_proj,v_proj)")
     for flag, _, text in SWITCHES:
         p.add_argument(flag, action="store_true", default=None, help=text)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any config field, e.g. --set optim.implementation=fused (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any config field, e.g. --set optim.implementation=fused (repeatable)",
+    )
 
 
 def config_from_args(args: argparse.Namespace):
@@ -123,8 +132,11 @@ def _plan_run(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Command] = {
-    "plan": Command("per-device memory ledger: will it fit, on each device, and why (exit 0 fits, 1 not, 2 bad input)",
-                    _plan_args, _plan_run),
+    "plan": Command(
+        "per-device memory ledger: will it fit, on each device, and why (exit 0 fits, 1 not, 2 bad input)",
+        _plan_args,
+        _plan_run,
+    ),
 }
 
 

@@ -31,14 +31,20 @@ def _positive_int(section: str, name: str, value: Any, *, minimum: int = 1, opti
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{section}.{name}", f"must be an integer >= {minimum} (got {value!r})",
-                          f"set {section}.{name} to an integer >= {minimum}")
+        raise ConfigError(
+            f"{section}.{name}",
+            f"must be an integer >= {minimum} (got {value!r})",
+            f"set {section}.{name} to an integer >= {minimum}",
+        )
 
 
-def _fraction(section: str, name: str, value: Any, *, top: float = 1.0) -> None:
+def _fraction(section: str, name: str, value: Any, *, top: float = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < top:
-        raise ConfigError(f"{section}.{name}", f"must be a number in [0, {top}) (got {value!r})",
-                          f"set {section}.{name} to a value in [0, {top})")
+        raise ConfigError(
+            f"{section}.{name}",
+            f"must be a number in [0, {top}) (got {value!r})",
+            f"set {section}.{name} to a value in [0, {top})",
+        )
 
 
 @dataclass(kw_only=True)
@@ -63,8 +69,11 @@ class LoraConfig:
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or self.alpha <= 0:
             raise ConfigError("lora.alpha", f"must be positive (got {self.alpha!r})", "set lora.alpha > 0, e.g. 2*r")
         if not self.target_modules or not all(isinstance(m, str) for m in self.target_modules):
-            raise ConfigError("lora.target_modules", "must be a non-empty list of module names",
-                              'e.g. target_modules = ["q_proj", "v_proj"]')
+            raise ConfigError(
+                "lora.target_modules",
+                "must be a non-empty list of module names",
+                'e.g. target_modules = ["q_proj", "v_proj"]',
+            )
 
 
 @dataclass(kw_only=True)
@@ -157,8 +166,15 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-_SECTION_TYPES = {"model": ModelConfig, "lora": LoraConfig, "optim": OptimConfig, "batch": BatchConfig,
-                  "parallel": ParallelConfig, "memory": MemoryConfig, "hardware": HardwareConfig}
+_SECTION_TYPES = {
+    "model": ModelConfig,
+    "lora": LoraConfig,
+    "optim": OptimConfig,
+    "batch": BatchConfig,
+    "parallel": ParallelConfig,
+    "memory": MemoryConfig,
+    "hardware": HardwareConfig,
+}
 _TOP_KEYS = ("mode", "precision")
 
 
@@ -207,7 +223,9 @@ def from_dict(tree: dict) -> RunConfig:
         allowed = {f.name for f in dataclasses.fields(cls)}
         for key in body:
             if key not in allowed:
-                raise ConfigError(f"{name}.{key}", "unknown setting", nearest(key, sorted(allowed)))
+                raise ConfigError(
+                    f"{name}.{key}", "unknown setting", nearest(f"{name}.{key}", sorted(f"{name}.{a}" for a in allowed))
+                )
         try:
             sections[name] = cls(**body)
         except TypeError as e:  # wrong type that the dataclass itself rejected
@@ -218,8 +236,9 @@ def from_dict(tree: dict) -> RunConfig:
     return RunConfig(**top, **sections)
 
 
-def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
-         settings: dict[str, Any] | None = None) -> RunConfig:
+def load(
+    path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), settings: dict[str, Any] | None = None
+) -> RunConfig:
     """Read a TOML config (or start from defaults), apply typed `settings` (from CLI flags),
     then `key=value` overrides (--set), which win."""
     tree: dict = {}

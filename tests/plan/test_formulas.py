@@ -24,19 +24,44 @@ def test_korthikanti_recompute_variants_with_tensor_parallel():
 
 def _paper_layer() -> ModelSpec:
     """The paper's layer: GPT-style, LayerNorm, 4h GELU MLP, dropout everywhere."""
-    return ModelSpec(name="paper", model_type="gpt2", hidden_size=64, num_layers=1, num_heads=4,
-                     num_kv_heads=4, head_dim=16, intermediate_size=256, vocab_size=100,
-                     max_position_embeddings=128, tie_word_embeddings=True, mlp="dense", hidden_act="gelu",
-                     norm="layernorm", qkv_bias=True, out_bias=True, mlp_bias=True, fused_qkv=True,
-                     learned_positions=128, attn_dropout=0.1, resid_dropout=0.1)
+    return ModelSpec(
+        name="paper",
+        model_type="gpt2",
+        hidden_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=16,
+        intermediate_size=256,
+        vocab_size=100,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        mlp="dense",
+        hidden_act="gelu",
+        norm="layernorm",
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        fused_qkv=True,
+        learned_positions=128,
+        attn_dropout=0.1,
+        resid_dropout=0.1,
+    )
 
 
 def test_enumeration_reproduces_korthikanti_under_the_papers_assumptions():
     spec = _paper_layer()
     s, b = 32, 2
-    ctx = A.ActContext(batch=b, seq=s, compute_bytes=2, residual_bytes=2, autocast=False,
-                       trainable_linears=frozenset(lin.module for lin in spec.layer_linears),
-                       norms_trainable=True, attention="eager")
+    ctx = A.ActContext(
+        batch=b,
+        seq=s,
+        compute_bytes=2,
+        residual_bytes=2,
+        autocast=False,
+        trainable_linears=frozenset(lin.module for lin in spec.layer_linears),
+        norms_trainable=True,
+        attention="eager",
+    )
     saved = A.total(A.layer_saved(spec, ctx))
     layernorm_stats = 2 * (2 * s * b * 4)  # two LayerNorms' fp32 mean + rstd, which the paper ignores
     assert saved - layernorm_stats == A.korthikanti_layer_bytes(s=s, b=b, h=64, a=4)

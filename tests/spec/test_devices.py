@@ -36,15 +36,28 @@ def test_unknown_device_suggests_catalog_names():
 
 
 def test_catalog_has_required_devices_with_bf16_flags():
-    for name in ("A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB", "L4", "A10G", "RTX3090", "RTX4090",
-                 "V100-16GB", "V100-32GB", "T4", "MI300X"):
+    for name in (
+        "A100-40GB",
+        "A100-80GB",
+        "H100-80GB",
+        "H200-141GB",
+        "L4",
+        "A10G",
+        "RTX3090",
+        "RTX4090",
+        "V100-16GB",
+        "V100-32GB",
+        "T4",
+        "MI300X",
+    ):
         assert name in D.CATALOG
     assert not D.CATALOG["V100-16GB"].bf16 and not D.CATALOG["T4"].bf16
     assert D.CATALOG["H100-80GB"].bf16
 
 
-@pytest.mark.parametrize(("text", "expected"), [("24GiB", 24 * 2**30), ("80GB", 80 * 10**9),
-                                                ("512MiB", 512 * 2**20), ("2", 2 * 2**30)])
+@pytest.mark.parametrize(
+    ("text", "expected"), [("24GiB", 24 * 2**30), ("80GB", 80 * 10**9), ("512MiB", 512 * 2**20), ("2", 2 * 2**30)]
+)
 def test_parse_size(text, expected):
     assert D.parse_size(text, "f") == expected
 

@@ -61,8 +61,14 @@ def test_gguf_header_reader_agrees_with_gguf_package():
     meta, names = M._read_gguf_header(path)
     reader = gguf.GGUFReader(str(path))
     assert names == {t.name for t in reader.tensors}
-    for key in ("llama.block_count", "llama.embedding_length", "llama.feed_forward_length",
-                "llama.attention.head_count", "llama.attention.head_count_kv", "llama.context_length"):
+    for key in (
+        "llama.block_count",
+        "llama.embedding_length",
+        "llama.feed_forward_length",
+        "llama.attention.head_count",
+        "llama.attention.head_count_kv",
+        "llama.context_length",
+    ):
         field = reader.fields[key]
         assert meta[key] == field.parts[field.data[0]][0].item(), key
     assert meta["tokenizer.ggml.tokens"] == len(reader.fields["tokenizer.ggml.tokens"].data)

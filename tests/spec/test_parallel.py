@@ -35,7 +35,15 @@ def test_more_stages_than_layers():
 def test_rank_coordinates_are_tp_innermost():
     d = dims(8, tp=2, pp=2)  # dp = 2
     assert [d.coords(r) for r in range(8)] == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+        (1, 0, 0),
+        (1, 0, 1),
+        (1, 1, 0),
+        (1, 1, 1),
+    ]
 
 
 def test_stage_layers_cover_every_layer_once():
@@ -45,21 +53,27 @@ def test_stage_layers_cover_every_layer_once():
     assert sum(spans, []) == list(range(32))
 
 
-@pytest.mark.parametrize(("given", "dp", "expected"), [
-    ({"global_batch_size": 64, "micro_batch_size": 2}, 4, (2, 8, 64)),
-    ({"global_batch_size": 64, "grad_accum_steps": 4}, 4, (4, 4, 64)),
-    ({"micro_batch_size": 4, "grad_accum_steps": 2}, 8, (4, 2, 64)),
-    ({"global_batch_size": 8}, 8, (1, 1, 8)),
-    ({}, 2, (1, 1, 2)),
-])
+@pytest.mark.parametrize(
+    ("given", "dp", "expected"),
+    [
+        ({"global_batch_size": 64, "micro_batch_size": 2}, 4, (2, 8, 64)),
+        ({"global_batch_size": 64, "grad_accum_steps": 4}, 4, (4, 4, 64)),
+        ({"micro_batch_size": 4, "grad_accum_steps": 2}, 8, (4, 2, 64)),
+        ({"global_batch_size": 8}, 8, (1, 1, 8)),
+        ({}, 2, (1, 1, 2)),
+    ],
+)
 def test_any_two_give_the_third(given, dp, expected):
     b = resolve_batch(C.BatchConfig(**given), dp)
     assert (b.micro_batch_size, b.grad_accum_steps, b.global_batch_size) == expected
 
 
 def test_indivisible_global_batch_says_why():
-    with pytest.raises(ConfigError, match=r"batch\.global_batch_size: 10 is not divisible by micro_batch_size 4 x "
-                                          r"data-parallel degree 2 = 8"):
+    with pytest.raises(
+        ConfigError,
+        match=r"batch\.global_batch_size: 10 is not divisible by micro_batch_size 4 x "
+        r"data-parallel degree 2 = 8",
+    ):
         resolve_batch(C.BatchConfig(global_batch_size=10, micro_batch_size=4), 2)
 
 

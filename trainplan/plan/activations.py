@@ -48,8 +48,9 @@ class ActContext:
         return self.batch * self.seq
 
 
-def _linear_inputs(spec: ModelSpec, ctx: ActContext, modules: list[tuple[str, int]], source: str,
-                   source_bytes: int) -> list[SavedTensor]:
+def _linear_inputs(
+    spec: ModelSpec, ctx: ActContext, modules: list[tuple[str, int]], source: str, source_bytes: int
+) -> list[SavedTensor]:
     """Inputs saved by the linears reading one tensor (`source`, in_features each).
 
     A linear saves its input only when its weight needs a gradient. Under autocast each call
@@ -63,12 +64,14 @@ def _linear_inputs(spec: ModelSpec, ctx: ActContext, modules: list[tuple[str, in
     base_trainable = [(m, n) for m, n in modules if m in ctx.trainable_linears]
     if base_trainable:
         if ctx.autocast and source_bytes != cb:
-            out += [SavedTensor(name=f"{m}.input", nbytes=t * n * cb, note="autocast copy")
-                    for m, n in base_trainable]
+            out += [SavedTensor(name=f"{m}.input", nbytes=t * n * cb, note="autocast copy") for m, n in base_trainable]
         else:
             n = base_trainable[0][1]
-            out.append(SavedTensor(name=f"{source} (input of {'/'.join(m for m, _ in base_trainable)})",
-                                   nbytes=t * n * source_bytes))
+            out.append(
+                SavedTensor(
+                    name=f"{source} (input of {'/'.join(m for m, _ in base_trainable)})", nbytes=t * n * source_bytes
+                )
+            )
     for m, n in modules:
         if m not in ctx.lora_targets:
             continue
@@ -86,10 +89,14 @@ def _norm(name: str, spec: ModelSpec, ctx: ActContext, input_bytes: int) -> list
     and rstd per token."""
     t, h = ctx.tokens, spec.hidden_size
     if spec.norm == "layernorm":
-        return [SavedTensor(name=f"{name}.input", nbytes=t * h * input_bytes),
-                SavedTensor(name=f"{name}.mean+rstd", nbytes=2 * t * FP32)]
-    out = [SavedTensor(name=f"{name}.input (fp32)", nbytes=t * h * FP32),
-           SavedTensor(name=f"{name}.rsqrt", nbytes=t * FP32)]
+        return [
+            SavedTensor(name=f"{name}.input", nbytes=t * h * input_bytes),
+            SavedTensor(name=f"{name}.mean+rstd", nbytes=2 * t * FP32),
+        ]
+    out = [
+        SavedTensor(name=f"{name}.input (fp32)", nbytes=t * h * FP32),
+        SavedTensor(name=f"{name}.rsqrt", nbytes=t * FP32),
+    ]
     if ctx.norms_trainable:
         normed_bytes = FP32 if spec.model_type == "gemma2" else input_bytes
         out.append(SavedTensor(name=f"{name}.normalized", nbytes=t * h * normed_bytes))
@@ -108,8 +115,9 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
     if spec.fused_qkv:
         out += _linear_inputs(spec, ctx, [(spec.layer_linears[0].module, h)], f"{norm_name}.output", norm_out_bytes)
     else:
-        out += _linear_inputs(spec, ctx, [("q_proj", h), ("k_proj", h), ("v_proj", h)],
-                              f"{norm_name}.output", norm_out_bytes)
+        out += _linear_inputs(
+            spec, ctx, [("q_proj", h), ("k_proj", h), ("v_proj", h)], f"{norm_name}.output", norm_out_bytes
+        )
     # q, k after rotary: under autocast cos/sin are fp32 (they follow the fp32 hidden states), so
     # q_embed is fp32 and SDPA casts it back; the bf16 casts are what SDPA saves.
     qk_bytes = cb if ctx.autocast or spec.model_type == "gpt2" else rb
@@ -117,26 +125,30 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
         s = ctx.seq
         scores = ctx.batch * heads * s * s
         kv_rep = q_dim  # repeat_kv materializes K and V at the full head count
-        out += [SavedTensor(name="attn.query", nbytes=t * q_dim * qk_bytes),
-                SavedTensor(name="attn.key (repeated to all heads)", nbytes=t * kv_rep * qk_bytes),
-                SavedTensor(name="attn.value (repeated to all heads)", nbytes=t * kv_rep * cb),
-                ]
+        out += [
+            SavedTensor(name="attn.query", nbytes=t * q_dim * qk_bytes),
+            SavedTensor(name="attn.key (repeated to all heads)", nbytes=t * kv_rep * qk_bytes),
+            SavedTensor(name="attn.value (repeated to all heads)", nbytes=t * kv_rep * cb),
+        ]
         # Llama-style eager attention takes softmax in fp32 and casts back (both saved); GPT-2's
         # softmax runs in the scores' dtype, which autocast promotes to fp32.
         softmax_bytes = FP32 if (ctx.autocast or spec.model_type != "gpt2") else cb
         out.append(SavedTensor(name="attn.softmax output", nbytes=scores * softmax_bytes, note="s^2 term"))
         if softmax_bytes != cb:
-            out.append(SavedTensor(name="attn.probs (cast to compute dtype)", nbytes=scores * cb,
-                                   note="s^2 term"))
+            out.append(SavedTensor(name="attn.probs (cast to compute dtype)", nbytes=scores * cb, note="s^2 term"))
         if spec.attn_dropout > 0 and ctx.dropout_active:
-            out += [SavedTensor(name="attn.dropout mask", nbytes=scores * BOOL, note="s^2 term"),
-                    SavedTensor(name="attn.dropout output", nbytes=scores * cb, note="s^2 term")]
+            out += [
+                SavedTensor(name="attn.dropout mask", nbytes=scores * BOOL, note="s^2 term"),
+                SavedTensor(name="attn.dropout output", nbytes=scores * cb, note="s^2 term"),
+            ]
     else:
-        out += [SavedTensor(name="sdpa.query", nbytes=t * q_dim * qk_bytes),
-                SavedTensor(name="sdpa.key", nbytes=t * kv_dim * qk_bytes),
-                SavedTensor(name="sdpa.value", nbytes=t * kv_dim * cb),
-                SavedTensor(name="sdpa.output", nbytes=t * q_dim * cb),
-                SavedTensor(name="sdpa.logsumexp (fp32)", nbytes=ctx.batch * heads * ctx.seq * FP32)]
+        out += [
+            SavedTensor(name="sdpa.query", nbytes=t * q_dim * qk_bytes),
+            SavedTensor(name="sdpa.key", nbytes=t * kv_dim * qk_bytes),
+            SavedTensor(name="sdpa.value", nbytes=t * kv_dim * cb),
+            SavedTensor(name="sdpa.output", nbytes=t * q_dim * cb),
+            SavedTensor(name="sdpa.logsumexp (fp32)", nbytes=ctx.batch * heads * ctx.seq * FP32),
+        ]
     o_name = "c_proj" if spec.model_type == "gpt2" else "o_proj"
     out += _linear_inputs(spec, ctx, [(o_name, q_dim)], "attn.output (transposed, contiguous)", cb)
     if spec.resid_dropout > 0 and ctx.dropout_active:
@@ -173,9 +185,11 @@ def mlp_saved(spec: ModelSpec, ctx: ActContext) -> list[SavedTensor]:
         out.append(SavedTensor(name=f"act ({spec.hidden_act}) saved tensors", nbytes=act_saves * width * cb))
         down_name, down_in = "c_proj", "act output"
     else:
-        out += [SavedTensor(name="gate_proj.output (act input)", nbytes=width * cb),
-                SavedTensor(name="up_proj.output", nbytes=width * cb),
-                SavedTensor(name="act(gate) output", nbytes=width * cb)]
+        out += [
+            SavedTensor(name="gate_proj.output (act input)", nbytes=width * cb),
+            SavedTensor(name="up_proj.output", nbytes=width * cb),
+            SavedTensor(name="act(gate) output", nbytes=width * cb),
+        ]
         down_name, down_in = "down_proj", "act(gate) * up"
     if spec.num_experts:
         out.append(SavedTensor(name="experts.down input", nbytes=width * cb))

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from trainplan import config as C
 from trainplan.errors import ConfigError
 from trainplan.plan import activations as A
-from trainplan.plan.ledger import Ledger, DeviceLedger, gib
-from trainplan.spec.devices import MiB, DeviceSpec, host_memory_bytes, parse_devices, parse_size
+from trainplan.plan.ledger import DeviceLedger, Ledger, gib
+from trainplan.spec.devices import DeviceSpec, MiB, host_memory_bytes, parse_devices, parse_size
 from trainplan.spec.model import ModelSpec, ParamTensor, load_model_spec
 from trainplan.spec.parallel import ParallelDims, ResolvedBatch, build_parallel_dims, resolve_batch
 from trainplan.spec.precision import PRECISIONS, Precision
@@ -55,23 +55,38 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
     prec = PRECISIONS[cfg.precision]
     no_bf16 = [d.name for d in devices if not d.bf16]
     if prec.needs_bf16 and no_bf16:
-        raise ConfigError("run.precision", f"{cfg.precision} needs bf16, which {no_bf16[0]} lacks",
-                          'use precision = "amp-fp16" (fp16 autocast with loss scaling)')
+        raise ConfigError(
+            "run.precision",
+            f"{cfg.precision} needs bf16, which {no_bf16[0]} lacks",
+            'use precision = "amp-fp16" (fp16 autocast with loss scaling)',
+        )
     if cfg.mode == "qlora" and any(not d.is_gpu for d in devices):
-        raise ConfigError("run.mode", "qlora needs CUDA GPUs (bitsandbytes 4-bit kernels)",
-                          'plan for GPUs (hardware.gpus) or use mode = "lora" on the CPU')
+        raise ConfigError(
+            "run.mode",
+            "qlora needs CUDA GPUs (bitsandbytes 4-bit kernels)",
+            'plan for GPUs (hardware.gpus) or use mode = "lora" on the CPU',
+        )
     if cfg.parallel.offload_optimizer and any(not d.is_gpu for d in devices):
-        raise ConfigError("parallel.offload_optimizer", "offloading to the host needs GPU devices",
-                          "set parallel.offload_optimizer = false when planning for the CPU")
+        raise ConfigError(
+            "parallel.offload_optimizer",
+            "offloading to the host needs GPU devices",
+            "set parallel.offload_optimizer = false when planning for the CPU",
+        )
     if spec.learned_positions and cfg.batch.seq_len > spec.learned_positions:
-        raise ConfigError("batch.seq_len", f"{cfg.batch.seq_len} exceeds the {spec.learned_positions} learned "
-                          f"positions of {spec.name}", f"use batch.seq_len <= {spec.learned_positions}")
+        raise ConfigError(
+            "batch.seq_len",
+            f"{cfg.batch.seq_len} exceeds the {spec.learned_positions} learned positions of {spec.name}",
+            f"use batch.seq_len <= {spec.learned_positions}",
+        )
     if cfg.mode in ("lora", "qlora"):
         known = {lin.module for lin in spec.layer_linears}
         for target in cfg.lora.target_modules:
             if target not in known:
-                raise ConfigError("lora.target_modules", f"{target!r} matches no linear layer of {spec.name}",
-                                  "its linear layers are " + ", ".join(sorted(known)))
+                raise ConfigError(
+                    "lora.target_modules",
+                    f"{target!r} matches no linear layer of {spec.name}",
+                    "its linear layers are " + ", ".join(sorted(known)),
+                )
     dims = build_parallel_dims(cfg.parallel, len(devices), spec)
     batch = resolve_batch(cfg.batch, dims.dp)
     return Resolved(cfg=cfg, spec=spec, precision=prec, devices=devices, dims=dims, batch=batch)
@@ -231,13 +246,17 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     n_held = sum(_tp_numel(t, tp) for t in held)
     dtype_note = {4: "fp32", 2: prec.compute_dtype}
     if full:
-        explain["weights"] = (f"{n_held / 1e6:,.1f}M params x {prec.param_bytes} B "
-                              f"({dtype_note[prec.param_bytes]}{' master' if prec.autocast else ''})"
-                              + (f" / {shard_w} shards" if shard_w > 1 else ""))
+        explain["weights"] = (
+            f"{n_held / 1e6:,.1f}M params x {prec.param_bytes} B "
+            f"({dtype_note[prec.param_bytes]}{' master' if prec.autocast else ''})"
+            + (f" / {shard_w} shards" if shard_w > 1 else "")
+        )
     else:
-        explain["weights"] = (f"{n_held / 1e6:,.1f}M frozen base params in {dtype_note[prec.frozen_bytes]}"
-                              + (f", linear layers in NF4 ({NF4_BYTES + NF4_CONSTANTS_BYTES:.3f} B/param)"
-                                 if quantized else "") + " — frozen, but still in the bill")
+        explain["weights"] = (
+            f"{n_held / 1e6:,.1f}M frozen base params in {dtype_note[prec.frozen_bytes]}"
+            + (f", linear layers in NF4 ({NF4_BYTES + NF4_CONSTANTS_BYTES:.3f} B/param)" if quantized else "")
+            + " — frozen, but still in the bill"
+        )
 
     # weight copies
     copies_fwd = copies_bwd = 0
@@ -247,16 +266,21 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         unit = max(units + [root])
         if dims.strategy == "zero3":
             copies_fwd = copies_bwd = 2 * unit * cb
-            explain["weight_copies"] = (f"FSDP all-gathers the current and the prefetched unit in "
-                                        f"{prec.compute_dtype}: 2 x {unit / 1e6:,.1f}M params")
+            explain["weight_copies"] = (
+                f"FSDP all-gathers the current and the prefetched unit in "
+                f"{prec.compute_dtype}: 2 x {unit / 1e6:,.1f}M params"
+            )
         else:
             copies_fwd = copies_bwd = n_held * cb
-            explain["weight_copies"] = ("shard-grad-op keeps every unit unsharded from forward through "
-                                        f"backward: {n_held / 1e6:,.1f}M params in {prec.compute_dtype}")
+            explain["weight_copies"] = (
+                "shard-grad-op keeps every unit unsharded from forward through "
+                f"backward: {n_held / 1e6:,.1f}M params in {prec.compute_dtype}"
+            )
     elif autocast and full:
         copies_fwd = copies_bwd = sum(_tp_numel(t, tp) for t in trainable) * cb
-        explain["weight_copies"] = (f"autocast caches a {prec.compute_dtype} copy of every trainable weight "
-                                    "from forward until backward ends")
+        explain["weight_copies"] = (
+            f"autocast caches a {prec.compute_dtype} copy of every trainable weight from forward until backward ends"
+        )
     elif quantized:
         big = max(_tp_numel(t, tp) for t in quantized)
         copies_fwd = copies_bwd = big * cb
@@ -271,8 +295,10 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     adapter_o = optimizer_state_bytes(cfg.optim.name, lora_shapes, 4, cpu) // shard_o
     adapter_copy = n_adapter * cb if prec.autocast else 0
     if lora:
-        explain["adapter"] = (f"LoRA r={cfg.lora.r} on {', '.join(sorted(targets))}: {n_adapter / 1e6:,.2f}M "
-                              "fp32 params, with their gradients and optimizer states")
+        explain["adapter"] = (
+            f"LoRA r={cfg.lora.r} on {', '.join(sorted(targets))}: {n_adapter / 1e6:,.2f}M "
+            "fp32 params, with their gradients and optimizer states"
+        )
 
     # gradients and optimizer
     grads = sum(_sharded_numel(t, tp, shard_g) for t in trainable) * prec.grad_bytes
@@ -282,22 +308,28 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     if impl == "auto":
         impl = "for-loop" if cpu else "foreach"
     opt_temp_shapes = shapes if full else lora_shapes
-    opt_temp = optimizer_temp_bytes(cfg.optim.name, impl, opt_temp_shapes,
-                                    prec.state_bytes if full else 4) // shard_o
+    opt_temp = optimizer_temp_bytes(cfg.optim.name, impl, opt_temp_shapes, prec.state_bytes if full else 4) // shard_o
     if full:
-        explain["gradients"] = (f"{prec.grad_bytes} B per trainable param"
-                                + (f" / {shard_g} shards" if shard_g > 1 else ""))
-        explain["optimizer"] = (f"{cfg.optim.name} states in {dtype_note[prec.state_bytes]}"
-                                + (f" / {shard_o} shards" if shard_o > 1 else ""))
+        explain["gradients"] = f"{prec.grad_bytes} B per trainable param" + (
+            f" / {shard_g} shards" if shard_g > 1 else ""
+        )
+        explain["optimizer"] = f"{cfg.optim.name} states in {dtype_note[prec.state_bytes]}" + (
+            f" / {shard_o} shards" if shard_o > 1 else ""
+        )
     explain["optimizer_temp"] = f"{impl} {cfg.optim.name} step temporaries"
     persistent_grads = dims.strategy in ("ddp", "zero1", "zero2") or batch.grad_accum_steps > 1
     if persistent_grads and full:
-        why = ("DDP keeps gradients in its buckets between steps" if dims.strategy in ("ddp", "zero1")
-               else "ZeRO-2 keeps its gradient partition" if dims.strategy == "zero2"
-               else "gradient accumulation keeps gradients across micro-batches")
+        why = (
+            "DDP keeps gradients in its buckets between steps"
+            if dims.strategy in ("ddp", "zero1")
+            else "ZeRO-2 keeps its gradient partition"
+            if dims.strategy == "zero2"
+            else "gradient accumulation keeps gradients across micro-batches"
+        )
         explain["gradients"] += f"; live in forward too: {why}"
     head = next((t for t in trainable if t.role == "lm_head"), None) or (
-        next((t for t in trainable if t.role == "embedding"), None) if spec.tie_word_embeddings else None)
+        next((t for t in trainable if t.role == "embedding"), None) if spec.tie_word_embeddings else None
+    )
     first_grads = (_sharded_numel(head, tp, shard_g) * prec.grad_bytes) if (head and last) else 0
 
     # host (offloaded optimizer)
@@ -310,13 +342,25 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     # activations
     t_micro = batch.micro_batch_size
     ctx = A.ActContext(
-        batch=t_micro, seq=batch.seq_len, compute_bytes=cb, residual_bytes=residual, autocast=autocast,
+        batch=t_micro,
+        seq=batch.seq_len,
+        compute_bytes=cb,
+        residual_bytes=residual,
+        autocast=autocast,
         trainable_linears=frozenset(lin.module for lin in spec.layer_linears) if full else frozenset(),
-        norms_trainable=full, lora_targets=targets, lora_r=cfg.lora.r, lora_dropout=cfg.lora.dropout,
-        adapter_bytes=4, attention=cfg.memory.attention, dropout_active=r.training, tp=tp)
+        norms_trainable=full,
+        lora_targets=targets,
+        lora_r=cfg.lora.r,
+        lora_dropout=cfg.lora.dropout,
+        adapter_bytes=4,
+        attention=cfg.memory.attention,
+        dropout_active=r.training,
+        tp=tp,
+    )
     buffers = 0 if spec.model_type == "gpt2" else 2 * (spec.head_dim // 2) * 4  # rotary inv_freq (+ original)
-    runtime = (cfg.hardware.cpu_runtime_mib if cpu else cfg.hardware.cuda_context_mib
-               + cfg.hardware.cublas_workspace_mib) * MiB
+    runtime = (
+        cfg.hardware.cpu_runtime_mib if cpu else cfg.hardware.cuda_context_mib + cfg.hardware.cublas_workspace_mib
+    ) * MiB
     comm_fwd = comm_bwd = 0
     if dims.pp > 1:
         comm_fwd = comm_bwd = 2 * ctx.tokens * spec.hidden_size * residual
@@ -346,40 +390,76 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     if cfg.memory.activation_checkpointing:
         act_fwd = in_flight * (len(layer_list) * layer_in + A.total(head_saved)) + mask
         act_bwd = act_fwd - mask + A.total(per_layer)  # one layer recomputed at a time
-        explain["activations"] = (f"checkpointing keeps each layer's input ({gib(layer_in)}) x {len(layer_list)} "
-                                  f"layers x {in_flight} micro-batch(es) in flight, plus one layer recomputed in "
-                                  f"backward ({gib(A.total(per_layer))})")
+        explain["activations"] = (
+            f"checkpointing keeps each layer's input ({gib(layer_in)}) x {len(layer_list)} "
+            f"layers x {in_flight} micro-batch(es) in flight, plus one layer recomputed in "
+            f"backward ({gib(A.total(per_layer))})"
+        )
     else:
         act_fwd = in_flight * (saved_layers + A.total(head_saved)) + mask
         act_bwd = act_fwd - mask
         top = max(per_layer, key=lambda s: s.nbytes)
-        explain["activations"] = (f"{len(layer_list)} layers x {gib(A.total(per_layer))} saved per layer "
-                                  f"(micro-batch {t_micro}, seq {batch.seq_len}) x {in_flight} micro-batch(es) "
-                                  f"in flight; largest saved tensor {top.name} {gib(top.nbytes)}")
+        explain["activations"] = (
+            f"{len(layer_list)} layers x {gib(A.total(per_layer))} saved per layer "
+            f"(micro-batch {t_micro}, seq {batch.seq_len}) x {in_flight} micro-batch(es) "
+            f"in flight; largest saved tensor {top.name} {gib(top.nbytes)}"
+        )
     details["activations (one layer)"] = [(s.name, s.nbytes) for s in per_layer]
     logits = A.logits_loss_bytes(spec, ctx) if last else {"forward": 0, "backward": 0}
     if last:
-        explain["logits_loss"] = (f"{ctx.tokens} tokens x {spec.vocab_size // tp:,} vocab: logits in "
-                                  f"{prec.compute_dtype}, the fp32 upcast for the loss, log-softmax output "
-                                  "and its gradients")
+        explain["logits_loss"] = (
+            f"{ctx.tokens} tokens x {spec.vocab_size // tp:,} vocab: logits in "
+            f"{prec.compute_dtype}, the fp32 upcast for the loss, log-softmax output "
+            "and its gradients"
+        )
 
     g_live_fwd = grads if (persistent_grads and full) else 0
     adapter_live = adapter_w + adapter_o + adapter_copy
     phases = {
-        "forward": {"weights": weights, "weight_copies": copies_fwd, "adapter": adapter_live,
-                    "gradients": g_live_fwd, "optimizer": opt, "activations": act_fwd,
-                    "logits_loss": logits["forward"], "buffers": buffers, "comm_buffers": comm_fwd},
-        "backward": {"weights": weights, "weight_copies": copies_bwd, "adapter": adapter_live + adapter_g,
-                     "gradients": max(g_live_fwd, first_grads if full else 0), "optimizer": opt,
-                     "activations": act_bwd, "logits_loss": logits["backward"], "buffers": buffers,
-                     "comm_buffers": comm_bwd},
-        "optimizer": {"weights": weights, "adapter": adapter_w + adapter_o + adapter_g, "gradients": grads,
-                      "optimizer": opt, "optimizer_temp": opt_temp, "buffers": buffers},
+        "forward": {
+            "weights": weights,
+            "weight_copies": copies_fwd,
+            "adapter": adapter_live,
+            "gradients": g_live_fwd,
+            "optimizer": opt,
+            "activations": act_fwd,
+            "logits_loss": logits["forward"],
+            "buffers": buffers,
+            "comm_buffers": comm_fwd,
+        },
+        "backward": {
+            "weights": weights,
+            "weight_copies": copies_bwd,
+            "adapter": adapter_live + adapter_g,
+            "gradients": max(g_live_fwd, first_grads if full else 0),
+            "optimizer": opt,
+            "activations": act_bwd,
+            "logits_loss": logits["backward"],
+            "buffers": buffers,
+            "comm_buffers": comm_bwd,
+        },
+        "optimizer": {
+            "weights": weights,
+            "adapter": adapter_w + adapter_o + adapter_g,
+            "gradients": grads,
+            "optimizer": opt,
+            "optimizer_temp": opt_temp,
+            "buffers": buffers,
+        },
     }
-    led = DeviceLedger(label=_label(device, rank), device=device, role=_role(dims, rank), phases=phases,
-                       runtime_bytes=runtime, reserve_fraction=0.0 if cpu else cfg.hardware.allocator_reserve,
-                       safety_margin=cfg.hardware.safety_margin, explain=explain, details=details, ranks=[rank],
-                       offload_bytes=host_bytes)
+    led = DeviceLedger(
+        label=_label(device, rank),
+        device=device,
+        role=_role(dims, rank),
+        phases=phases,
+        runtime_bytes=runtime,
+        reserve_fraction=0.0 if cpu else cfg.hardware.allocator_reserve,
+        safety_margin=cfg.hardware.safety_margin,
+        explain=explain,
+        details=details,
+        ranks=[rank],
+        offload_bytes=host_bytes,
+    )
     _runtime_explain(led, cfg)
     return led
 
@@ -408,40 +488,77 @@ def _role(dims: ParallelDims, rank: int) -> str:
 
 def _runtime_explain(led: DeviceLedger, cfg: C.RunConfig) -> None:
     if led.device.kind == "cpu":
-        led.explain["runtime"] = f"python + torch libraries, {cfg.hardware.cpu_runtime_mib} MiB (hardware.cpu_runtime_mib)"
+        led.explain["runtime"] = (
+            f"python + torch libraries, {cfg.hardware.cpu_runtime_mib} MiB (hardware.cpu_runtime_mib)"
+        )
     else:
-        led.explain["runtime"] = (f"CUDA context {cfg.hardware.cuda_context_mib} MiB + cuBLAS workspace "
-                                  f"{cfg.hardware.cublas_workspace_mib} MiB (hardware.*_mib)")
-        led.explain["allocator_reserve"] = (f"{cfg.hardware.allocator_reserve:.0%} of peak allocated held by the "
-                                            "caching allocator (hardware.allocator_reserve)")
+        led.explain["runtime"] = (
+            f"CUDA context {cfg.hardware.cuda_context_mib} MiB + cuBLAS workspace "
+            f"{cfg.hardware.cublas_workspace_mib} MiB (hardware.*_mib)"
+        )
+        led.explain["allocator_reserve"] = (
+            f"{cfg.hardware.allocator_reserve:.0%} of peak allocated held by the "
+            "caching allocator (hardware.allocator_reserve)"
+        )
 
 
-def _inference_ledger(r: Resolved, rank: int, device: DeviceSpec, held: list[ParamTensor], layers: range,
-                      weights: int, buffers: int, runtime: int, explain: dict[str, str]) -> DeviceLedger:
+def _inference_ledger(
+    r: Resolved,
+    rank: int,
+    device: DeviceSpec,
+    held: list[ParamTensor],
+    layers: range,
+    weights: int,
+    buffers: int,
+    runtime: int,
+    explain: dict[str, str],
+) -> DeviceLedger:
     """Inference: weights + KV cache + the largest transient; no gradients, no optimizer."""
     spec, prec, batch, dims = r.spec, r.precision, r.batch, r.dims
     cb, tp = prec.compute_bytes, dims.tp
     stage, _, _ = dims.coords(rank)
     last = stage == dims.pp - 1
     tokens = batch.micro_batch_size * batch.seq_len
-    kv = kv_cache_bytes(batch=batch.micro_batch_size, context=batch.seq_len, layers=len(layers),
-                        kv_heads=spec.num_kv_heads // tp, head_dim=spec.head_dim, dtype_bytes=cb)
+    kv = kv_cache_bytes(
+        batch=batch.micro_batch_size,
+        context=batch.seq_len,
+        layers=len(layers),
+        kv_heads=spec.num_kv_heads // tp,
+        head_dim=spec.head_dim,
+        dtype_bytes=cb,
+    )
     h, inter = spec.hidden_size, spec.intermediate_size // tp
     attn = tokens * (2 * spec.q_dim + 2 * spec.kv_dim) // tp * cb
     mlp = 3 * tokens * inter * cb
     transient = 2 * tokens * h * cb + max(attn, mlp)
     logits = tokens * -(-spec.vocab_size // tp) * (cb + 4 + 4) if last else 0
-    explain["kv_cache"] = (f"2 (K,V) x batch {batch.micro_batch_size} x context {batch.seq_len} x {len(layers)} layers "
-                           f"x {spec.num_kv_heads // tp} KV heads x head_dim {spec.head_dim} x {cb} B")
+    explain["kv_cache"] = (
+        f"2 (K,V) x batch {batch.micro_batch_size} x context {batch.seq_len} x {len(layers)} layers "
+        f"x {spec.num_kv_heads // tp} KV heads x head_dim {spec.head_dim} x {cb} B"
+    )
     explain["activations"] = "prefill working set of one layer (no tensors are saved under inference_mode)"
     if last:
         explain["logits_loss"] = "logits over the evaluated tokens, their fp32 upcast and log-softmax"
-    phases = {"inference": {"weights": weights, "activations": transient, "logits_loss": logits,
-                            "kv_cache": kv, "buffers": buffers}}
-    led = DeviceLedger(label=_label(device, rank), device=device, role=_role(dims, rank), phases=phases,
-                       runtime_bytes=runtime, reserve_fraction=0.0 if device.kind == "cpu"
-                       else r.cfg.hardware.allocator_reserve, safety_margin=r.cfg.hardware.safety_margin,
-                       explain=explain, ranks=[rank])
+    phases = {
+        "inference": {
+            "weights": weights,
+            "activations": transient,
+            "logits_loss": logits,
+            "kv_cache": kv,
+            "buffers": buffers,
+        }
+    }
+    led = DeviceLedger(
+        label=_label(device, rank),
+        device=device,
+        role=_role(dims, rank),
+        phases=phases,
+        runtime_bytes=runtime,
+        reserve_fraction=0.0 if device.kind == "cpu" else r.cfg.hardware.allocator_reserve,
+        safety_margin=r.cfg.hardware.safety_margin,
+        explain=explain,
+        ranks=[rank],
+    )
     _runtime_explain(led, r.cfg)
     return led
 
@@ -493,44 +610,83 @@ def plan(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Ledger:
         if key not in cache:
             cache[key] = _rank_ledger(r, rank)
         proto = cache[key]
-        ledgers.append(DeviceLedger(label=_label(device, rank), device=device, role=_role(r.dims, rank),
-                                    phases=proto.phases, runtime_bytes=proto.runtime_bytes,
-                                    reserve_fraction=proto.reserve_fraction, safety_margin=proto.safety_margin,
-                                    explain=proto.explain, details=proto.details, ranks=[rank],
-                                    offload_bytes=proto.offload_bytes))
+        ledgers.append(
+            DeviceLedger(
+                label=_label(device, rank),
+                device=device,
+                role=_role(r.dims, rank),
+                phases=proto.phases,
+                runtime_bytes=proto.runtime_bytes,
+                reserve_fraction=proto.reserve_fraction,
+                safety_margin=proto.safety_margin,
+                explain=proto.explain,
+                details=proto.details,
+                ranks=[rank],
+                offload_bytes=proto.offload_bytes,
+            )
+        )
     host = None
     if r.dims.offload_optimizer:
-        host_cap = parse_size(cfg.hardware.host_mem, "hardware.host_mem") if cfg.hardware.host_mem else host_memory_bytes()
+        host_cap = (
+            parse_size(cfg.hardware.host_mem, "hardware.host_mem") if cfg.hardware.host_mem else host_memory_bytes()
+        )
         host_dev = DeviceSpec(name="host RAM", kind="cpu", capacity_bytes=host_cap, bf16=True, peak_tflops=None)
         offloaded = sum(led.offload_bytes for led in ledgers)
-        host = DeviceLedger(label="host", device=host_dev, role="offloaded optimizer (all ranks)",
-                            phases={"optimizer": {"optimizer": offloaded}}, runtime_bytes=0, reserve_fraction=0.0,
-                            explain={"optimizer": "optimizer states, their step temporaries and a gradient copy "
-                                                  "of every rank on this node"})
+        host = DeviceLedger(
+            label="host",
+            device=host_dev,
+            role="offloaded optimizer (all ranks)",
+            phases={"optimizer": {"optimizer": offloaded}},
+            runtime_bytes=0,
+            reserve_fraction=0.0,
+            explain={
+                "optimizer": "optimizer states, their step temporaries and a gradient copy of every rank on this node"
+            },
+        )
     b = r.batch
     settings = {
-        "mode": cfg.mode, "precision": cfg.precision,
-        "micro_batch_size": b.micro_batch_size, "grad_accum_steps": b.grad_accum_steps,
-        "data_parallel": b.dp, "global_batch_size": b.global_batch_size, "seq_len": b.seq_len,
-        "tokens_per_step": b.tokens_per_step, "parallel": r.dims.describe(),
-        "strategy": r.dims.strategy, "tp": r.dims.tp, "pp": r.dims.pp,
-        "optimizer": cfg.optim.name, "activation_checkpointing": cfg.memory.activation_checkpointing,
+        "mode": cfg.mode,
+        "precision": cfg.precision,
+        "micro_batch_size": b.micro_batch_size,
+        "grad_accum_steps": b.grad_accum_steps,
+        "data_parallel": b.dp,
+        "global_batch_size": b.global_batch_size,
+        "seq_len": b.seq_len,
+        "tokens_per_step": b.tokens_per_step,
+        "parallel": r.dims.describe(),
+        "strategy": r.dims.strategy,
+        "tp": r.dims.tp,
+        "pp": r.dims.pp,
+        "optimizer": cfg.optim.name,
+        "activation_checkpointing": cfg.memory.activation_checkpointing,
         "attention": cfg.memory.attention,
-        "lora": ({"r": cfg.lora.r, "alpha": cfg.lora.alpha, "dropout": cfg.lora.dropout,
-                  "target_modules": cfg.lora.target_modules} if cfg.mode in ("lora", "qlora") else None),
+        "lora": (
+            {
+                "r": cfg.lora.r,
+                "alpha": cfg.lora.alpha,
+                "dropout": cfg.lora.dropout,
+                "target_modules": cfg.lora.target_modules,
+            }
+            if cfg.mode in ("lora", "qlora")
+            else None
+        ),
     }
-    settings["summary"] = (f"{cfg.mode}, {cfg.precision}, micro-batch {b.micro_batch_size} x accum "
-                           f"{b.grad_accum_steps} x dp {b.dp} = global {b.global_batch_size}, seq {b.seq_len}, "
-                           f"{r.dims.describe()}"
-                           + (", activation checkpointing" if cfg.memory.activation_checkpointing else "")
-                           + f", {cfg.memory.attention} attention")
+    settings["summary"] = (
+        f"{cfg.mode}, {cfg.precision}, micro-batch {b.micro_batch_size} x accum "
+        f"{b.grad_accum_steps} x dp {b.dp} = global {b.global_batch_size}, seq {b.seq_len}, "
+        f"{r.dims.describe()}"
+        + (", activation checkpointing" if cfg.memory.activation_checkpointing else "")
+        + f", {cfg.memory.attention} attention"
+    )
     notes = [
         "Analytic estimate from closed-form terms (docs/memory-model.md); `trainplan trace` runs the real "
         "model on fake tensors for the exact figure.",
     ]
     if r.spec.learned_positions == 0 and b.seq_len > r.spec.max_position_embeddings:
-        notes.append(f"seq_len {b.seq_len} exceeds the model's max_position_embeddings "
-                     f"{r.spec.max_position_embeddings}: quality beyond it is not assured.")
+        notes.append(
+            f"seq_len {b.seq_len} exceeds the model's max_position_embeddings "
+            f"{r.spec.max_position_embeddings}: quality beyond it is not assured."
+        )
     if any(d.kind == "cuda" for d in r.devices) and r.dims.world_size > 1:
         notes.append("NCCL's own buffers and per-peer channels are not in the bill yet.")
     return Ledger(model=r.spec.summary(), settings=settings, devices=ledgers, host=host, notes=notes)

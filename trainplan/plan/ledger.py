@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainplan.spec.devices import GiB, DeviceSpec
+from trainplan.spec.devices import DeviceSpec, GiB
 
 SCHEMA = "trainplan.plan/1"
 
@@ -93,18 +93,32 @@ class DeviceLedger:
 
     def bill_key(self) -> tuple:
         """Devices with the same bill and device type are shown as one column."""
-        return (self.device.name, self.device.capacity_bytes, self.role.split(" rank")[0],
-                tuple(sorted(self.components.items())), tuple(self.phases))
+        return (
+            self.device.name,
+            self.device.capacity_bytes,
+            self.role.split(" rank")[0],
+            tuple(sorted(self.components.items())),
+            tuple(self.phases),
+        )
 
     def to_json(self) -> dict:
         return {
-            "label": self.label, "ranks": self.ranks, "device": self.device.name, "kind": self.device.kind,
-            "capacity_bytes": self.device.capacity_bytes, "usable_bytes": self.usable_bytes,
-            "role": self.role, "components": self.components,
+            "label": self.label,
+            "ranks": self.ranks,
+            "device": self.device.name,
+            "kind": self.device.kind,
+            "capacity_bytes": self.device.capacity_bytes,
+            "usable_bytes": self.usable_bytes,
+            "role": self.role,
+            "components": self.components,
             "phases": {p: {**c, "total": sum(c.values())} for p, c in self.phases.items()},
-            "peak_phase": self.peak_phase, "peak_allocated_bytes": self.peak_allocated,
-            "total_bytes": self.total_bytes, "headroom_bytes": self.headroom_bytes, "fits": self.fits,
-            "largest_component": self.largest_component, "explain": self.explain,
+            "peak_phase": self.peak_phase,
+            "peak_allocated_bytes": self.peak_allocated,
+            "total_bytes": self.total_bytes,
+            "headroom_bytes": self.headroom_bytes,
+            "fits": self.fits,
+            "largest_component": self.largest_component,
+            "explain": self.explain,
             "details": {k: [{"name": n, "bytes": b} for n, b in v] for k, v in self.details.items()},
         }
 
@@ -138,33 +152,53 @@ class Ledger:
                 bad.append(d)
         if not bad:
             tight = min(self.all_ledgers, key=lambda d: d.headroom_bytes)
-            return (f"FITS on every device; least headroom {gib(tight.headroom_bytes)} on {tight.label} "
-                    f"({tight.device.name}) at the {tight.peak_phase} peak")
+            return (
+                f"FITS on every device; least headroom {gib(tight.headroom_bytes)} on {tight.label} "
+                f"({tight.device.name}) at the {tight.peak_phase} peak"
+            )
         parts = []
         for d in bad:
             comp = d.largest_component
             alike = sum(1 for x in self.devices if x is not d and x.bill_key() == d.bill_key())
             label = d.label + (f" and {alike} alike" if alike else "")
-            parts.append(f"{label} ({d.device.name}, {gib(d.usable_bytes)} usable) needs "
-                         f"{gib(d.total_bytes)} at the {d.peak_phase} peak, over by {gib(-d.headroom_bytes)}; "
-                         f"largest component {comp} {gib(d.components[comp])}")
+            parts.append(
+                f"{label} ({d.device.name}, {gib(d.usable_bytes)} usable) needs "
+                f"{gib(d.total_bytes)} at the {d.peak_phase} peak, over by {gib(-d.headroom_bytes)}; "
+                f"largest component {comp} {gib(d.components[comp])}"
+            )
         text = "DOES NOT FIT: " + "; ".join(parts[:3]) + (f"; and {len(parts) - 3} more" if len(parts) > 3 else "")
         capacity = sum(d.usable_bytes for d in self.devices)
         needed = sum(d.total_bytes for d in self.devices)
         if len(self.devices) > 1 and needed <= capacity:
-            text += (f". The devices' combined memory ({gib(capacity)}) would cover the combined bill "
-                     f"({gib(needed)}), but memory does not pool across devices: each must hold its own share")
+            text += (
+                f". The devices' combined memory ({gib(capacity)}) would cover the combined bill "
+                f"({gib(needed)}), but memory does not pool across devices: each must hold its own share"
+            )
         return text
 
     def to_json(self) -> dict:
         return {
-            "schema": SCHEMA, "source": self.source, "model": self.model, "settings": self.settings,
+            "schema": SCHEMA,
+            "source": self.source,
+            "model": self.model,
+            "settings": self.settings,
             "devices": [d.to_json() for d in self.devices],
             "host": self.host.to_json() if self.host else None,
-            "verdict": {"fits": self.fits, "summary": self.verdict(),
-                        "overflows": [{"label": d.label, "device": d.device.name,
-                                       "over_bytes": -d.headroom_bytes, "component": d.largest_component,
-                                       "phase": d.peak_phase} for d in self.all_ledgers if not d.fits]},
+            "verdict": {
+                "fits": self.fits,
+                "summary": self.verdict(),
+                "overflows": [
+                    {
+                        "label": d.label,
+                        "device": d.device.name,
+                        "over_bytes": -d.headroom_bytes,
+                        "component": d.largest_component,
+                        "phase": d.peak_phase,
+                    }
+                    for d in self.all_ledgers
+                    if not d.fits
+                ],
+            },
             "notes": self.notes,
         }
 
@@ -209,13 +243,18 @@ def render_table(ledger: Ledger) -> str:
     rows.append(["peak phase"] + [d.peak_phase for _, d in cols])
     rows.append(["verdict"] + ["fits" if d.fits else "DOES NOT FIT" for _, d in cols])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
-             for r in rows]
+    lines = [
+        "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in rows
+    ]
     rule = "-" * max(len(x) for x in lines)
     total_at = next(i for i, r in enumerate(rows) if r[0] == "TOTAL (GiB)")
     lines = lines[:3] + [rule] + lines[3:total_at] + [rule] + lines[total_at:]
-    out = [f"trainplan plan — {ledger.model['name']} ({ledger.model['params'] / 1e6:,.1f}M params), "
-           f"{ledger.settings['summary']}", ""]
+    out = [
+        f"trainplan plan — {ledger.model['name']} ({ledger.model['params'] / 1e6:,.1f}M params), "
+        f"{ledger.settings['summary']}",
+        "",
+    ]
     out += lines
     out += ["", ledger.verdict(), ""]
     first = cols[0][1]
@@ -228,9 +267,14 @@ def render_table(ledger: Ledger) -> str:
 
 def render_markdown(ledger: Ledger) -> str:
     cols = _group(ledger)
-    out = [f"## trainplan plan: {ledger.model['name']}", "", f"{ledger.settings['summary']}", "",
-           "| component | " + " | ".join(f"{t} ({d.device.name})" for t, d in cols) + " |",
-           "|---|" + "---:|" * len(cols)]
+    out = [
+        f"## trainplan plan: {ledger.model['name']}",
+        "",
+        f"{ledger.settings['summary']}",
+        "",
+        "| component | " + " | ".join(f"{t} ({d.device.name})" for t, d in cols) + " |",
+        "|---|" + "---:|" * len(cols),
+    ]
     for comp in COMPONENTS:
         vals = [d.components[comp] for _, d in cols]
         if any(vals):

@@ -35,8 +35,7 @@ class DeviceSpec:
 
 
 def _gpu(name: str, mib: int, bf16: bool, tflops: float, note: str = "", kind: str = "cuda"):
-    return DeviceSpec(name=name, kind=kind, capacity_bytes=mib * MiB, bf16=bf16,
-                      peak_tflops=tflops, note=note)
+    return DeviceSpec(name=name, kind=kind, capacity_bytes=mib * MiB, bf16=bf16, peak_tflops=tflops, note=note)
 
 
 CATALOG: dict[str, DeviceSpec] = {
@@ -64,12 +63,20 @@ def _key(name: str) -> str:
 
 _BY_KEY = {_key(n): d for n, d in CATALOG.items()}
 # Common short names: "H100" is the 80 GB card, "A100" is ambiguous and left out on purpose.
-_BY_KEY.update({"h100": CATALOG["H100-80GB"], "h200": CATALOG["H200-141GB"],
-                "nvidiah200": CATALOG["H200-141GB"]})
+_BY_KEY.update({"h100": CATALOG["H100-80GB"], "h200": CATALOG["H200-141GB"], "nvidiah200": CATALOG["H200-141GB"]})
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(KiB|MiB|GiB|TiB|KB|MB|GB|TB|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kib": 1 << 10, "mib": MiB, "gib": GiB, "tib": 1 << 40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS = {
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": MiB,
+    "gib": GiB,
+    "tib": 1 << 40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 
 
 def parse_size(text: str, field: str) -> int:
@@ -96,8 +103,14 @@ def host_memory_bytes() -> int:
 
 
 def cpu_device() -> DeviceSpec:
-    return DeviceSpec(name="cpu", kind="cpu", capacity_bytes=host_memory_bytes(), bf16=True,
-                      peak_tflops=None, note="host memory; shared by every process on it")
+    return DeviceSpec(
+        name="cpu",
+        kind="cpu",
+        capacity_bytes=host_memory_bytes(),
+        bf16=True,
+        peak_tflops=None,
+        note="host memory; shared by every process on it",
+    )
 
 
 def lookup(name: str, field: str = "hardware.gpus") -> DeviceSpec:
@@ -109,10 +122,17 @@ def lookup(name: str, field: str = "hardware.gpus") -> DeviceSpec:
         return dev
     if _SIZE_RE.match(name):
         cap = parse_size(name, field)
-        return DeviceSpec(name=f"GPU-{name.strip()}", kind="cuda", capacity_bytes=cap, bf16=True,
-                          peak_tflops=None, note="generic GPU of the given capacity")
-    raise ConfigError(field, f"unknown device {name!r}",
-                      nearest(name, list(CATALOG) + ["cpu"]) + " (or give a size such as 24GiB)")
+        return DeviceSpec(
+            name=f"GPU-{name.strip()}",
+            kind="cuda",
+            capacity_bytes=cap,
+            bf16=True,
+            peak_tflops=None,
+            note="generic GPU of the given capacity",
+        )
+    raise ConfigError(
+        field, f"unknown device {name!r}", nearest(name, list(CATALOG) + ["cpu"]) + " (or give a size such as 24GiB)"
+    )
 
 
 def detect() -> list[DeviceSpec]:
@@ -120,8 +140,13 @@ def detect() -> list[DeviceSpec]:
     smi = shutil.which("nvidia-smi")
     if smi:
         try:
-            out = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=10, check=True).stdout
+            out = subprocess.run(
+                [smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout
         except (subprocess.SubprocessError, OSError):
             out = ""
         devices = []
@@ -130,8 +155,16 @@ def detect() -> list[DeviceSpec]:
             known = next((d for k, d in _BY_KEY.items() if k and k in _key(gpu_name)), None)
             bf16 = known.bf16 if known else True
             tflops = known.peak_tflops if known else None
-            devices.append(DeviceSpec(name=gpu_name, kind="cuda", capacity_bytes=int(mib) * MiB,
-                                      bf16=bf16, peak_tflops=tflops, note="detected"))
+            devices.append(
+                DeviceSpec(
+                    name=gpu_name,
+                    kind="cuda",
+                    capacity_bytes=int(mib) * MiB,
+                    bf16=bf16,
+                    peak_tflops=tflops,
+                    note="detected",
+                )
+            )
         if devices:
             return devices
     return [cpu_device()]
@@ -151,11 +184,14 @@ def parse_devices(text: str, gpu_mem: str | None = None, field: str = "hardware.
             m = re.match(r"^\s*(\d+)\s*[x×*]\s*(.+)$", part)
             count, name = (int(m.group(1)), m.group(2)) if m else (1, part)
             if count < 1:
-                raise ConfigError(field, f"device count must be at least 1 in {part.strip()!r}",
-                                  "write e.g. 8xH100-80GB")
+                raise ConfigError(
+                    field, f"device count must be at least 1 in {part.strip()!r}", "write e.g. 8xH100-80GB"
+                )
             devices += [lookup(name.strip(), field)] * count
     if gpu_mem is not None:
         cap = parse_size(gpu_mem, "hardware.gpu_mem")
-        devices = [replace(d, capacity_bytes=cap, note=f"capacity set by gpu_mem={gpu_mem}")
-                   if d.is_gpu else d for d in devices]
+        devices = [
+            replace(d, capacity_bytes=cap, note=f"capacity set by gpu_mem={gpu_mem}") if d.is_gpu else d
+            for d in devices
+        ]
     return devices

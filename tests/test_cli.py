@@ -1,0 +1,109 @@
+"""The real CLI, end to end, in subprocesses."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trainplan import cli
+
+
+def run(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "trainplan", *args], capture_output=True, text=True, **kw)
+
+
+def test_default_plan_runs_on_the_embedded_model():
+    r = run("plan", "--gpus", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert "SmolLM2-135M-Instruct (embedded default)" in r.stdout
+    assert "FITS on every device" in r.stdout
+    for row in ("weights", "gradients", "optimizer", "activations", "logits_loss", "TOTAL (GiB)"):
+        assert row in r.stdout
+
+
+def test_json_schema_and_exit_code_for_does_not_fit():
+    r = run("plan", "--model", "Llama-3.1-70B", "--gpus", "2xA100-80GB", "--json")
+    assert r.returncode == 1
+    doc = json.loads(r.stdout)
+    assert doc["schema"] == "trainplan.plan/1"
+    assert doc["verdict"]["fits"] is False
+    assert doc["verdict"]["overflows"][0]["device"] == "A100-80GB"
+    dev = doc["devices"][0]
+    assert set(dev["components"]) >= {"weights", "gradients", "optimizer", "activations", "runtime"}
+    assert (
+        dev["total_bytes"]
+        == dev["peak_allocated_bytes"] + dev["components"]["runtime"] + dev["components"]["allocator_reserve"]
+    )
+    assert dev["phases"][dev["peak_phase"]]["total"] == dev["peak_allocated_bytes"]
+    assert len(doc["devices"]) == 2
+
+
+def test_markdown_output_to_file(tmp_path):
+    out = tmp_path / "plan.md"
+    r = run("plan", "--model", "Qwen2.5-0.5B", "--gpus", "L4", "--markdown", "--output", str(out))
+    assert r.returncode == 0 and r.stdout == ""
+    text = out.read_text()
+    assert text.startswith("## trainplan plan: Qwen2.5-0.5B") and "| weights |" in text
+
+
+def test_the_analytic_path_imports_no_torch():
+    code = (
+        "import sys; from trainplan.cli import main; rc = main(['plan', '--gpus', 'cpu', '--json']); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+BAD_INPUTS = [
+    (["--model", "Llama-3.1-8C"], "model.source: unknown preset 'Llama-3.1-8C'; did you mean"),
+    (["--seq", "0"], "batch.seq_len: must be an integer >= 1 (got 0)"),
+    (["--micro-batch", "-2"], "batch.micro_batch_size: must be an integer >= 1 (got -2)"),
+    (
+        ["--model", "Llama-3.1-8B", "--gpus", "6xH100-80GB", "--tp", "3", "--pp", "2"],
+        "parallel.tp: tp 3 does not divide the 32 attention heads",
+    ),
+    (
+        ["--model", "GPT-2", "--gpus", "16xA100-80GB", "--pp", "16"],
+        "parallel.pp: 16 pipeline stages exceed the 12 layers",
+    ),
+    (["--gpus", "3xH100-80GB", "--tp", "2"], "parallel.tp: tp 2 x pp 1 = 2 does not divide the world size 3"),
+    (["--gpus", "H1000"], "hardware.gpus: unknown device 'H1000'; did you mean"),
+    (["--mode", "lorra"], "run.mode: unknown value 'lorra'; did you mean 'lora'"),
+    (["--set", "batch.seqlen=4"], "batch.seqlen: unknown setting; did you mean 'batch.seq_len'"),
+    (["--gpus", "cpu", "--global-batch", "3", "--micro-batch", "2"], "batch.global_batch_size: 3 is not divisible"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_INPUTS)
+def test_bad_input_is_one_line_naming_field_and_fix(args, message, tmp_path):
+    out = tmp_path / "plan.json"
+    r = run("plan", *args, "--json", "--output", str(out))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert message in lines[0]
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # nothing half-written
+
+
+def test_malformed_config_json_is_one_line(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    r = run("plan", "--model", str(bad))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "malformed JSON" in r.stderr
+
+
+def test_command_table_and_parser_agree():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert list(sub.choices) == list(cli.COMMANDS)
+
+
+def test_every_config_flag_maps_to_a_real_field():
+    from trainplan import config as C
+
+    for _, key, _ in cli.CONFIG_FLAGS + tuple((f, k, {}) for f, k, _ in cli.SWITCHES):
+        C._set_dotted({}, key, 1)  # raises on an unknown key

@@ -1,0 +1,68 @@
+import pytest
+
+from trainplan import config as C
+from trainplan.errors import ConfigError
+
+
+def test_toml_round_trip(tmp_path):
+    cfg = C.load(
+        None,
+        [
+            "mode=lora",
+            "lora.r=16",
+            "batch.seq_len=2048",
+            "hardware.gpus=2xH100-80GB",
+            'lora.target_modules=["q_proj", "k_proj", "v_proj"]',
+        ],
+    )
+    path = tmp_path / "run.toml"
+    path.write_text(C.to_toml(cfg))
+    assert C.load(path) == cfg
+    assert cfg.lora.target_modules == ["q_proj", "k_proj", "v_proj"]
+
+
+def test_precedence_file_then_flags_then_set(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('mode = "lora"\n[batch]\nseq_len = 1024\nmicro_batch_size = 2\n')
+    cfg = C.load(path, ["batch.seq_len=4096"], {"batch.seq_len": 2048, "batch.micro_batch_size": 8})
+    assert (cfg.mode, cfg.batch.seq_len, cfg.batch.micro_batch_size) == ("lora", 4096, 8)
+
+
+def test_unknown_section_and_key(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[bacth]\nseq_len = 4\n")
+    with pytest.raises(ConfigError, match="bacth: unknown section or setting; did you mean 'batch'"):
+        C.load(path)
+    path.write_text("[optim]\nlearning_rate = 1e-4\n")
+    with pytest.raises(ConfigError, match=r"optim\.learning_rate: unknown setting"):
+        C.load(path)
+
+
+def test_invalid_toml_and_missing_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("mode = \n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        C.load(path)
+    with pytest.raises(ConfigError, match="config: no such file"):
+        C.load(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("lora.r=0", r"lora\.r: must be an integer >= 1"),
+        ("lora.dropout=1.5", r"lora\.dropout: must be a number in \[0, 1\)"),
+        ("optim.lr=-1", r"optim\.lr: must be positive"),
+        ("precision=fp8", r"run\.precision: unknown value 'fp8'"),
+        ("parallel.strategy=zero4", r"parallel\.strategy: unknown value 'zero4'"),
+        ("hardware.allocator_reserve=2", r"hardware\.allocator_reserve: must be a number in \[0, 1\)"),
+        ("batch.seq_len=true", r"batch\.seq_len: must be an integer >= 1 \(got True\)"),
+    ],
+)
+def test_validation_names_the_field(override, message):
+    with pytest.raises(ConfigError, match=message):
+        C.load(None, [override])
+
+
+def test_fsdp_is_an_alias_of_zero3():
+    assert C.load(None, ["parallel.strategy=fsdp"]).parallel.strategy == "zero3"
