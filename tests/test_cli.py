@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -107,3 +108,11 @@ def test_every_config_flag_maps_to_a_real_field():
 
     for _, key, _ in cli.CONFIG_FLAGS + tuple((f, k, {}) for f, k, _ in cli.SWITCHES):
         C._set_dotted({}, key, 1)  # raises on an unknown key
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (Path(__file__).parent.parent / "examples").glob("*.toml")))
+def test_shipped_examples_plan(example):
+    path = Path(__file__).parent.parent / "examples" / example
+    r = run("plan", str(path), "--json")
+    assert r.returncode in (0, 1), r.stderr
+    assert json.loads(r.stdout)["settings"]["mode"] in ("full", "lora", "qlora", "inference")

@@ -432,14 +432,25 @@ def _read_gguf_header(path: Path) -> tuple[dict, set[str]]:
             return data[pos - n : pos].decode("utf-8", errors="replace")
 
         def read_value(vtype: int):
+            nonlocal pos
             if vtype in scalar:
                 return unpack(scalar[vtype])
             if vtype == 8:
                 return string()
             if vtype == 9:  # array: keep only its length, we never need the items
                 itype, count = unpack("<I"), unpack("<Q")
-                for _ in range(count):
-                    read_value(itype)
+                if itype == 8:  # strings (the vocabulary): skip them in a tight loop
+                    for _ in range(count):
+                        need(8)
+                        pos += 8 + int.from_bytes(data[pos : pos + 8], "little")
+                    need(0)
+                elif itype in scalar:
+                    size = struct.calcsize(scalar[itype]) * count
+                    need(size)
+                    pos += size
+                else:
+                    for _ in range(count):
+                        read_value(itype)
                 return count
             raise ValueError(f"unknown GGUF value type {vtype}")
 
