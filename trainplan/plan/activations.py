@@ -11,11 +11,11 @@ the embedding output is fp32 and every residual add promotes to fp32).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from trainplan.spec.model import ModelSpec
 
-BOOL = 1  # dropout masks are torch.bool, one byte per element
+BOOL = 1  # CUDA's fused dropout saves a torch.bool mask
 FP32 = 4
 
 
@@ -41,6 +41,9 @@ class ActContext:
     adapter_bytes: int = FP32
     attention: str = "sdpa"
     dropout_active: bool = True  # training mode: nn.Dropout with p > 0 saves a mask
+    # On CUDA, dropout is the fused native_dropout, which saves a bool mask. The CPU path computes
+    # input * noise and saves the noise in the input's dtype.
+    cpu: bool = False
     tp: int = 1
 
     @property
@@ -48,8 +51,18 @@ class ActContext:
         return self.batch * self.seq
 
 
+def _mask_bytes(ctx: ActContext, input_bytes: int) -> int:
+    return input_bytes if ctx.cpu else BOOL
+
+
 def _linear_inputs(
-    spec: ModelSpec, ctx: ActContext, modules: list[tuple[str, int]], source: str, source_bytes: int
+    spec: ModelSpec,
+    ctx: ActContext,
+    modules: list[tuple[str, int]],
+    source: str,
+    source_bytes: int,
+    *,
+    input_requires_grad: bool = True,
 ) -> list[SavedTensor]:
     """Inputs saved by the linears reading one tensor (`source`, in_features each).
 
@@ -76,8 +89,9 @@ def _linear_inputs(
         if m not in ctx.lora_targets:
             continue
         in_bytes = ctx.adapter_bytes if not ctx.autocast else cb
-        if ctx.lora_dropout > 0 and ctx.dropout_active:
-            out.append(SavedTensor(name=f"{m}.lora_dropout.mask", nbytes=t * n * BOOL))
+        if ctx.lora_dropout > 0 and ctx.dropout_active and input_requires_grad:
+            # PEFT casts x to the adapter dtype before dropout
+            out.append(SavedTensor(name=f"{m}.lora_dropout.mask", nbytes=t * n * _mask_bytes(ctx, ctx.adapter_bytes)))
         out.append(SavedTensor(name=f"{m}.lora_A.input", nbytes=t * n * in_bytes))
         out.append(SavedTensor(name=f"{m}.lora_B.input", nbytes=t * ctx.lora_r * (cb if ctx.autocast else in_bytes)))
     return out
@@ -113,11 +127,10 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
         out += _norm(norm_name, spec, ctx, rb)
     norm_out_bytes = rb
     if spec.fused_qkv:
-        out += _linear_inputs(spec, ctx, [(spec.layer_linears[0].module, h)], f"{norm_name}.output", norm_out_bytes)
+        qkv = [(spec.layer_linears[0].module, h)]
     else:
-        out += _linear_inputs(
-            spec, ctx, [("q_proj", h), ("k_proj", h), ("v_proj", h)], f"{norm_name}.output", norm_out_bytes
-        )
+        qkv = [("q_proj", h), ("k_proj", h), ("v_proj", h)]
+    out += _linear_inputs(spec, ctx, qkv, f"{norm_name}.output", norm_out_bytes, input_requires_grad=input_requires_grad)
     # q, k after rotary: under autocast cos/sin are fp32 (they follow the fp32 hidden states), so
     # q_embed is fp32 and SDPA casts it back; the bf16 casts are what SDPA saves.
     qk_bytes = cb if ctx.autocast or spec.model_type == "gpt2" else rb
@@ -138,7 +151,7 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
             out.append(SavedTensor(name="attn.probs (cast to compute dtype)", nbytes=scores * cb, note="s^2 term"))
         if spec.attn_dropout > 0 and ctx.dropout_active:
             out += [
-                SavedTensor(name="attn.dropout mask", nbytes=scores * BOOL, note="s^2 term"),
+                SavedTensor(name="attn.dropout mask", nbytes=scores * _mask_bytes(ctx, cb), note="s^2 term"),
                 SavedTensor(name="attn.dropout output", nbytes=scores * cb, note="s^2 term"),
             ]
     else:
@@ -150,9 +163,15 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
             SavedTensor(name="sdpa.logsumexp (fp32)", nbytes=ctx.batch * heads * ctx.seq * FP32),
         ]
     o_name = "c_proj" if spec.model_type == "gpt2" else "o_proj"
-    out += _linear_inputs(spec, ctx, [(o_name, q_dim)], "attn.output (transposed, contiguous)", cb)
+    # SDPA returns its output laid out (b, s, heads, d): the transpose + reshape feeding o_proj
+    # is a view of the saved output. Eager attention's matmul output needs a contiguous copy.
+    if ctx.attention == "eager":
+        out += _linear_inputs(spec, ctx, [(o_name, q_dim)], "attn.output (contiguous copy)", cb)
+    else:  # only LoRA's own saved tensors are new
+        shared = replace(ctx, trainable_linears=ctx.trainable_linears - {o_name})
+        out += _linear_inputs(spec, shared, [(o_name, q_dim)], "sdpa.output", cb)
     if spec.resid_dropout > 0 and ctx.dropout_active:
-        out.append(SavedTensor(name="attn.resid_dropout mask", nbytes=t * h * BOOL))
+        out.append(SavedTensor(name="attn.resid_dropout mask", nbytes=t * h * _mask_bytes(ctx, cb)))
     if spec.norms_per_layer == 4:  # Gemma-2: post_attention_layernorm normalizes the attention output
         out += _norm("post_attention_layernorm", spec, ctx, cb)
     return out
@@ -196,7 +215,7 @@ def mlp_saved(spec: ModelSpec, ctx: ActContext) -> list[SavedTensor]:
     else:
         out += _linear_inputs(spec, ctx, [(down_name, inter)], down_in, cb)
     if spec.resid_dropout > 0 and ctx.dropout_active:
-        out.append(SavedTensor(name="mlp.resid_dropout mask", nbytes=t * h * BOOL))
+        out.append(SavedTensor(name="mlp.resid_dropout mask", nbytes=t * h * _mask_bytes(ctx, cb)))
     if spec.norms_per_layer == 4:
         out += _norm("post_feedforward_layernorm", spec, ctx, cb)
     return out
@@ -221,24 +240,37 @@ def head_saved(spec: ModelSpec, ctx: ActContext, lm_head_trainable: bool) -> lis
     return out
 
 
-def logits_loss_bytes(spec: ModelSpec, ctx: ActContext) -> dict[str, int]:
+def logits_loss_bytes(spec: ModelSpec, ctx: ActContext, head_grad_bytes: int) -> dict[str, int]:
     """Logits and cross-entropy buffers at their forward and backward peaks.
 
-    transformers' ForCausalLMLoss upcasts logits to fp32 (`logits.float()`) and calls
-    cross_entropy = log_softmax (saves its fp32 output) + nll_loss. Forward peak: logits in
-    the compute dtype + the fp32 upcast + log_softmax output. Backward peak: log_softmax output
-    + nll_loss's dense grad + log_softmax's grad, all fp32. The training loop drops the model
-    output before backward, so the compute-dtype logits are gone by then.
+    transformers' ForCausalLMLoss upcasts logits to fp32 (`logits.float()`, a no-op in fp32),
+    pads and shifts the int64 labels, and calls cross_entropy = log_softmax (saves its fp32
+    output) + nll_loss. Forward peak: logits + upcast + log-softmax output + labels. Backward
+    starts with log-softmax output + nll_loss's dense gradient + log-softmax's gradient (3 fp32
+    T x V buffers); the next moment, lm_head's backward, holds the logits gradient in the compute
+    dtype and lm_head's weight gradient. The larger of the two is the backward peak; returned as
+    "backward" plus "backward_grads" (the weight gradient counted in the gradients row).
+    The training loop drops the model output before backward, so compute-dtype logits are gone.
     Gemma-2's final logit soft-capping adds tanh's saved output.
     """
     tv = ctx.tokens * -(-spec.vocab_size // ctx.tp)  # vocab-parallel loss shards the vocab
     cb = ctx.compute_bytes
-    fwd = tv * (cb + FP32 if cb != FP32 else FP32) + tv * FP32
-    bwd = 3 * tv * FP32
-    if spec.model_type == "gemma2":
-        fwd += tv * cb
-        bwd += tv * cb
-    return {"forward": fwd, "backward": bwd}
+    shifted_labels = ctx.tokens * 8  # saved by nll_loss
+    padded_labels = ctx.batch * (ctx.seq + 1) * 8
+    fwd = tv * cb + (tv * FP32 if cb != FP32 else 0) + tv * FP32 + shifted_labels + padded_labels
+    loss_bwd = 3 * tv * FP32
+    head_bwd = tv * cb + head_grad_bytes
+    softcap = tv * cb if spec.model_type == "gemma2" else 0
+    if loss_bwd >= head_bwd:  # nll_loss's backward has run and released the labels it saved
+        return {"forward": fwd + softcap, "backward": loss_bwd + softcap, "backward_grads": 0}
+    return {"forward": fwd + softcap, "backward": tv * cb, "backward_grads": head_grad_bytes}
+
+
+def step_inputs_bytes(spec: ModelSpec, ctx: ActContext) -> int:
+    """Tensors every forward holds besides saved activations: the int64 input ids and labels, and
+    the rotary cos/sin tables (1, s, head_dim) in the hidden-state dtype, saved by every layer."""
+    rotary = 0 if spec.model_type == "gpt2" else 2 * ctx.seq * spec.head_dim * ctx.residual_bytes
+    return 2 * ctx.tokens * 8 + rotary
 
 
 def korthikanti_layer_bytes(*, s: int, b: int, h: int, a: int, t: int = 1, recompute: str = "none") -> int:

@@ -199,10 +199,14 @@ def optimizer_temp_bytes(name: str, impl: str, shapes: list[tuple[int, ...]], st
     """
     if not shapes or name == "sgd" or impl == "fused":
         return 0
-    largest = max(_numel(s) for s in shapes) * state_bytes
     if impl == "foreach":
         return sum(_numel(s) for s in shapes) * state_bytes if name.startswith("adamw") else 0
-    return 2 * largest if name in ("adamw", "adafactor") else 0
+    if name not in ("adamw", "adafactor"):
+        return 0
+    # `denom = (exp_avg_sq.sqrt() / c).add_(eps)`: sqrt and quotient of this tensor, while the
+    # previous tensor's denom is still bound to the loop variable.
+    sizes = [_numel(s) * state_bytes for s in shapes]
+    return max(2 * cur + prev for prev, cur in zip([0, *sizes[:-1]], sizes, strict=True))
 
 
 # ---- one rank --------------------------------------------------------------------------------
@@ -277,9 +281,13 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
                 f"backward: {n_held / 1e6:,.1f}M params in {prec.compute_dtype}"
             )
     elif autocast and full:
-        copies_fwd = copies_bwd = sum(_tp_numel(t, tp) for t in trainable) * cb
+        # Only matmul weights are cast: embedding lookups and norm multiplies run in fp32.
+        cast = [t for t in trainable if t.role in ("linear", "bias", "lm_head", "router", "expert")
+                or (t.role == "embedding" and spec.tie_word_embeddings and last)]
+        copies_fwd = copies_bwd = sum(_tp_numel(t, tp) for t in cast) * cb
         explain["weight_copies"] = (
-            f"autocast caches a {prec.compute_dtype} copy of every trainable weight from forward until backward ends"
+            f"autocast caches a {prec.compute_dtype} copy of every trainable matmul weight from forward until "
+            "backward ends"
         )
     elif quantized:
         big = max(_tp_numel(t, tp) for t in quantized)
@@ -354,6 +362,7 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         lora_dropout=cfg.lora.dropout,
         adapter_bytes=4,
         attention=cfg.memory.attention,
+        cpu=cpu,
         dropout_active=r.training,
         tp=tp,
     )
@@ -405,7 +414,15 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
             f"in flight; largest saved tensor {top.name} {gib(top.nbytes)}"
         )
     details["activations (one layer)"] = [(s.name, s.nbytes) for s in per_layer]
-    logits = A.logits_loss_bytes(spec, ctx) if last else {"forward": 0, "backward": 0}
+    head_grad = first_grads if (full and not persistent_grads) else 0
+    logits = (A.logits_loss_bytes(spec, ctx, head_grad) if last
+              else {"forward": 0, "backward": 0, "backward_grads": 0})
+    step_inputs = A.step_inputs_bytes(spec, ctx)
+    act_fwd += in_flight * step_inputs
+    act_bwd += in_flight * step_inputs
+    if last and (autocast or not full):  # lm_head saved a cast, or nothing: the final hidden state is
+        # still referenced by the model output during the loss
+        act_fwd += ctx.tokens * spec.hidden_size * residual
     if last:
         explain["logits_loss"] = (
             f"{ctx.tokens} tokens x {spec.vocab_size // tp:,} vocab: logits in "
@@ -430,8 +447,8 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         "backward": {
             "weights": weights,
             "weight_copies": copies_bwd,
-            "adapter": adapter_live + adapter_g,
-            "gradients": max(g_live_fwd, first_grads if full else 0),
+            "adapter": adapter_live + (adapter_g if persistent_grads else 0),
+            "gradients": g_live_fwd + logits["backward_grads"],
             "optimizer": opt,
             "activations": act_bwd,
             "logits_loss": logits["backward"],
@@ -444,6 +461,7 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
             "gradients": grads,
             "optimizer": opt,
             "optimizer_temp": opt_temp,
+            "activations": 2 * ctx.tokens * 8,  # the batch (ids, labels) is still referenced
             "buffers": buffers,
         },
     }

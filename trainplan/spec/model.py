@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainplan.errors import ConfigError, TrainplanError, nearest
@@ -77,6 +77,7 @@ class ModelSpec:
     resid_dropout: float = 0.0
     embd_dropout: float = 0.0
     source: str = ""
+    config: dict = field(default_factory=dict, compare=False, repr=False)  # transformers config.json
 
     # ---- module layout -------------------------------------------------------------
     @property
@@ -282,6 +283,7 @@ def from_hf_config(cfg: dict, *, name: str, where: str = "config.json") -> Model
             resid_dropout=cfg.get("resid_pdrop", 0.1),
             embd_dropout=cfg.get("embd_pdrop", 0.1),
             source=where,
+            config=dict(cfg),
         )
     h = _req(cfg, "hidden_size", where)
     heads = _req(cfg, "num_attention_heads", where)
@@ -318,7 +320,7 @@ def from_hf_config(cfg: dict, *, name: str, where: str = "config.json") -> Model
         attn_dropout=cfg.get("attention_dropout", 0.0) or 0.0,
         resid_dropout=cfg.get("resid_pdrop", 0.0) or 0.0,
         embd_dropout=cfg.get("embd_pdrop", 0.0) or 0.0,
-        source=where,
+        source=where, config=dict(cfg),
     )
 
 

@@ -1,0 +1,234 @@
+"""The traced plan: run the real model code on fake tensors and record what it allocates.
+
+The model comes from run/build.py (the builder the training engine uses) and the step from
+run/step.py (the step the training loop runs). Nothing is allocated; every tensor's size is
+known. The one user of private PyTorch APIs is trainplan/_torch_private.py.
+
+Ranks: FSDP (zero3, fsdp-grad-op) is traced per rank with a fake process group of the
+data-parallel size. DDP and ZeRO-1/2 are derived from the single-rank trace plus the sharding
+arithmetic; the output says which rows were traced and which derived.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+
+from trainplan.config import RunConfig
+from trainplan.errors import TrainplanError
+from trainplan.plan import analytic
+from trainplan.plan.analytic import ZERO2_BUCKET_BYTES
+from trainplan.plan.ledger import DeviceLedger, Ledger
+from trainplan.spec.model import ModelSpec
+
+# Comparison groups: the tracker's categories cannot tell an autocast copy or a logits buffer
+# from other forward tensors, so analytic and traced bills are compared on these sums.
+GROUPS = {
+    "states": ("weights", "adapter", "buffers"),
+    "gradients": ("gradients",),
+    "optimizer": ("optimizer", "optimizer_temp"),
+    "activations+": ("activations", "logits_loss", "weight_copies", "comm_buffers", "kv_cache"),
+}
+
+
+@dataclass(kw_only=True)
+class TraceResult:
+    phases: dict[str, dict[str, int]]  # ledger components per phase, at that phase's peak
+    raw: dict[str, dict[str, int]]  # tracker categories per phase
+    rows: dict[str, str]  # component -> "traced" | "derived: why"
+    world_size: int
+    seconds: float
+    max_rss_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: sum(self.phases[p].values()))
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.phases[self.peak_phase].values())
+
+
+def _check_traceable(r: analytic.Resolved) -> None:
+    cfg = r.cfg
+    if cfg.mode == "qlora":
+        raise TrainplanError("run.mode: qlora needs bitsandbytes on CUDA and cannot be traced on the CPU; "
+                             "use `trainplan plan` (analytic) for qlora")
+    if cfg.optim.name == "adamw-8bit":
+        raise TrainplanError("optim.name: adamw-8bit needs bitsandbytes on CUDA and cannot be traced; "
+                             "use `trainplan plan` for it")
+    if r.dims.tp > 1 or r.dims.pp > 1:
+        raise TrainplanError("parallel.tp/pp: the trace covers data parallelism (DDP, ZeRO, FSDP) only; "
+                             "use `trainplan plan` for tensor and pipeline parallelism")
+
+
+def _to_components(raw: dict[str, int], *, adapter_params: int, adapter_states: int, states: int,
+                   lora: bool, phase: str) -> dict[str, int]:
+    """Tracker categories -> ledger components. LoRA's params/grads/states are exactly known,
+    so they move to the adapter row; the optimizer phase's excess over the states is temp."""
+    out = {
+        "weights": raw.get("params", 0),
+        "buffers": raw.get("buffers", 0),
+        "gradients": raw.get("grads", 0),
+        "optimizer": raw.get("optimizer", 0),
+        "activations": raw.get("activations", 0) + raw.get("temporaries", 0) + raw.get("inputs", 0),
+        "weight_copies": raw.get("unsharded_params", 0) + raw.get("all_gather", 0),
+        "comm_buffers": raw.get("unsharded_grads", 0) + raw.get("reduce_scatter", 0),
+    }
+    if phase == "optimizer":
+        out["optimizer_temp"] = max(0, out["optimizer"] - (adapter_states if lora else states))
+        out["optimizer"] -= out["optimizer_temp"]
+    if lora:
+        out["weights"] -= adapter_params
+        out["adapter"] = adapter_params + out.pop("gradients") + out.pop("optimizer")
+    return out
+
+
+def trace(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[TraceResult, analytic.Resolved]:
+    """Trace one warm-up and one measured step on fake tensors; per-phase peaks of the measured one."""
+    r = analytic.resolve(cfg, spec)
+    _check_traceable(r)
+    from trainplan import _torch_private as P
+
+    P.check_torch_version()
+    import torch
+
+    from trainplan.run import build, step
+
+    t0 = time.perf_counter()
+    dims, prec, batch = r.dims, r.precision, r.batch
+    target = "cuda" if r.devices[0].is_gpu else "cpu"
+    fsdp = dims.shards_params
+    world = dims.dp if fsdp else 1
+    micro_steps = min(batch.grad_accum_steps, 2)  # the second micro-batch sees accumulated grads
+
+    phases: dict[str, dict[str, int]] = {}
+    current: list[str | None] = [None]
+
+    def run_traced(tracker, model, optimizer, micro_batches, tokens):
+        def on_phase(name: str) -> None:
+            if name in ("forward", "inference"):
+                P.new_iteration(tracker)  # each micro-batch re-enters the modules
+            if current[0] is not None and measuring[0]:
+                snap = tracker.peak_by_category()
+                old = phases.get(current[0])
+                if old is None or sum(snap.values()) > sum(old.values()):
+                    phases[current[0]] = snap
+            tracker.reset_peak()
+            current[0] = None if name == "end" else name
+
+        measuring = [False]
+        with tracker, P.unpacked_sequences():
+            for iteration in range(2):  # warm-up creates optimizer state; AC's first peak is spurious
+                measuring[0] = iteration == 1
+                if cfg.mode == "inference":
+                    step.eval_forward(model, micro_batches[0], prec=prec, device_type="cpu", on_phase=on_phase)
+                else:
+                    step.train_step(model, optimizer, micro_batches, prec=prec, device_type="cpu",
+                                    on_phase=on_phase, token_count=tokens)
+
+    def body(mesh=None):
+        model = build.build_model(r.spec, cfg, prec, dims=dims if fsdp else None, mesh=mesh)
+        with P.fake_mode():
+            model.to_empty(device="cpu")
+            ids = torch.randint(0, r.spec.vocab_size, (batch.micro_batch_size, batch.seq_len))
+            # labels are their own tensor, as in training (prompt tokens masked with -100)
+            micro_batches = [{"input_ids": ids, "labels": ids.clone()} for _ in range(micro_steps)]
+            optimizer = None
+            if cfg.mode != "inference":
+                optimizer = step.build_optimizer(model, cfg.optim.name, cfg.optim.implementation, cfg.optim.lr,
+                                                 cfg.optim.weight_decay, target)
+            if fsdp:
+                tracker = P.fsdp_mem_tracker(model, optimizer)
+                tracker.track_inputs(tuple(t for mb in micro_batches for t in mb.values()))
+            else:
+                tracker = P.mem_tracker()
+                tracker.track_external(model, optimizer, *(t for mb in micro_batches for t in mb.values()))
+            tokens = micro_steps * batch.micro_batch_size * (batch.seq_len - 1) * world
+            run_traced(tracker, model, optimizer, micro_batches, tokens)
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            adapter_params = sum(_local_nbytes(p) for p in trainable) if cfg.mode == "lora" else 0
+            states = (sum(_local_nbytes(t) for s in optimizer.state.values() for t in s.values()
+                          if isinstance(t, torch.Tensor)) if optimizer is not None else 0)
+        return adapter_params, states
+
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        with P.fake_process_group(world):
+            adapter_params, states = body(init_device_mesh("cpu", (world,)))
+    else:
+        adapter_params, states = body()
+
+    lora = cfg.mode == "lora"
+    comps = {ph: _to_components(raw, adapter_params=adapter_params, adapter_states=states, states=states,
+                                lora=lora, phase=ph) for ph, raw in phases.items()}
+    rows = {c: "traced" for ph in comps.values() for c in ph}
+    notes = [f"traced on fake CPU tensors: {'FSDP rank 0 of ' + str(world) if fsdp else 'one rank'}, "
+             f"{micro_steps} micro-batch(es) per step, measured on the second step"]
+    if not fsdp and dims.strategy in ("ddp", "zero1", "zero2") and cfg.mode != "inference":
+        _derive_data_parallel(comps, rows, dims, r)
+        notes.append(f"{dims.strategy} rows derived from the single-rank trace (dp {dims.dp})")
+    if target == "cuda":
+        notes.append("traced with CPU kernels: CUDA-only kernels (flash attention's saved tensors, fused "
+                     "cross-entropy) and CUDA autocast's op lists may differ")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return TraceResult(phases=comps, raw=phases, rows=rows, world_size=world, seconds=time.perf_counter() - t0,
+                       max_rss_bytes=rss, notes=notes), r
+
+
+def _local_nbytes(t) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def _derive_data_parallel(comps: dict[str, dict[str, int]], rows: dict[str, str], dims, r) -> None:
+    """DDP keeps gradients in its buckets; ZeRO-1 shards optimizer state; ZeRO-2 also gradients."""
+    dp = dims.dp
+    grads = comps["optimizer"].get("gradients", 0)
+    for ph in ("forward", "backward"):
+        if dims.strategy in ("ddp", "zero1"):
+            comps[ph]["gradients"] = max(comps[ph].get("gradients", 0), grads)
+            rows["gradients"] = "derived: DDP buckets hold the gradients between steps"
+        elif dims.strategy == "zero2":
+            comps[ph]["gradients"] = max(comps[ph].get("gradients", 0) // dp, grads // dp)
+    if dims.strategy in ("zero1", "zero2"):
+        for ph in comps:
+            for c in ("optimizer", "optimizer_temp"):
+                if c in comps[ph]:
+                    comps[ph][c] = -(-comps[ph][c] // dp)
+        rows["optimizer"] = f"derived: {dims.strategy} shards optimizer state over dp {dp}"
+    if dims.strategy == "zero2":
+        comps["optimizer"]["gradients"] = -(-grads // dp)
+        comps["backward"]["comm_buffers"] = min(ZERO2_BUCKET_BYTES, grads)
+        rows["gradients"] = f"derived: zero2 shards gradients over dp {dp}"
+
+
+def traced_ledger(result: TraceResult, r: analytic.Resolved) -> Ledger:
+    """The traced bill as a Ledger (runtime and allocator reserve from the analytic settings)."""
+    analytic_ledger = analytic.plan(r.cfg, r.spec)
+    devices = []
+    for proto in analytic_ledger.devices:
+        devices.append(DeviceLedger(label=proto.label, device=proto.device, role=proto.role, phases=result.phases,
+                                    runtime_bytes=proto.runtime_bytes, reserve_fraction=proto.reserve_fraction,
+                                    safety_margin=proto.safety_margin, explain={}, ranks=proto.ranks))
+    return Ledger(model=analytic_ledger.model, settings=analytic_ledger.settings, devices=devices,
+                  notes=result.notes, source="traced")
+
+
+def compare(result: TraceResult, analytic_ledger: Ledger) -> list[dict]:
+    """Per phase and group: analytic bytes, traced bytes, and the difference relative to traced peak."""
+    led = analytic_ledger.devices[0]
+    peak = result.peak_bytes
+    rows = []
+    for phase in result.phases:
+        a_ph, t_ph = led.phases.get(phase, {}), result.phases[phase]
+        for group, comps in [*GROUPS.items(), ("total", None)]:
+            keys = comps or tuple(set(a_ph) | set(t_ph))
+            a = sum(a_ph.get(c, 0) for c in keys)
+            t = sum(t_ph.get(c, 0) for c in keys)
+            rows.append({"phase": phase, "group": group, "analytic": a, "traced": t, "diff": a - t,
+                         "diff_of_peak": (a - t) / peak if peak else 0.0})
+    return rows

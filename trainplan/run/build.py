@@ -1,0 +1,120 @@
+"""Build the model the way it will run: meta -> mode -> precision -> checkpointing -> parallelize
+-> materialize. The same builder serves the fake-tensor trace and the real run, so the plan
+traces the code that actually runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainplan.config import RunConfig
+from trainplan.errors import TrainplanError
+from trainplan.spec.model import ModelSpec
+from trainplan.spec.parallel import ParallelDims
+from trainplan.spec.precision import Precision
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    param: torch.dtype  # trainable parameters as stored
+    frozen: torch.dtype  # frozen parameters as stored
+    compute: torch.dtype
+
+
+def dtypes(prec: Precision) -> Dtypes:
+    half = torch.float16 if prec.loss_scaling else torch.bfloat16
+    by_bytes = {4: torch.float32, 2: half}
+    return Dtypes(param=by_bytes[prec.param_bytes], frozen=by_bytes[prec.frozen_bytes],
+                  compute=by_bytes[prec.compute_bytes])
+
+
+def hf_config(spec: ModelSpec, cfg: RunConfig):
+    """The transformers config for the spec, with trainplan's attention and cache settings."""
+    import transformers
+
+    if not spec.config:
+        raise TrainplanError(f"model.source: {spec.name} carries no transformers config to build from")
+    hf = transformers.CONFIG_MAPPING[spec.config["model_type"]](**spec.config)
+    hf._attn_implementation = cfg.memory.attention
+    hf.use_cache = cfg.mode == "inference"
+    return hf
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks (FSDP units, checkpointing units), found through PEFT wrappers too."""
+    for module in model.modules():
+        for name in ("layers", "h"):
+            blocks = getattr(module, name, None)
+            if isinstance(blocks, nn.ModuleList) and len(blocks) and module is not model:
+                return list(blocks)
+    raise TrainplanError("model.source: cannot find the decoder layers of this model")
+
+
+def apply_mode(model: nn.Module, cfg: RunConfig) -> nn.Module:
+    """full: everything trains. lora/qlora: PEFT adapters, base frozen. inference: nothing trains."""
+    if cfg.mode == "full":
+        model.requires_grad_(True)
+        return model
+    model.requires_grad_(False)
+    if cfg.mode == "inference":
+        return model.eval()
+    import peft
+
+    lora = peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                           target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM")
+    # PEFT upcasts the adapters to fp32 when the base is 16-bit (autocast_adapter_dtype=True).
+    return peft.get_peft_model(model, lora)
+
+
+def apply_fsdp(model: nn.Module, dims: ParallelDims, prec: Precision, mesh) -> nn.Module:
+    """FSDP2: one unit per decoder layer plus the root; mixed precision through the policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dt = dtypes(prec)
+    mp = MixedPrecisionPolicy(param_dtype=dt.compute, reduce_dtype=torch.float32 if prec.grad_bytes == 4
+                              else dt.compute)
+    reshard = dims.strategy == "zero3"
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    return model
+
+
+def build_model(spec: ModelSpec, cfg: RunConfig, prec: Precision, *, dims: ParallelDims | None = None,
+                mesh=None) -> nn.Module:
+    """The model on the meta device, with mode, precision, checkpointing and FSDP applied.
+
+    Materialize it with `materialize` (real tensors) or inside a fake mode (the tracer).
+    """
+    import transformers
+
+    if cfg.mode == "qlora":
+        raise TrainplanError("run.mode: qlora needs bitsandbytes on CUDA; it cannot be built on the CPU "
+                             "(the analytic plan covers it)")
+    dt = dtypes(prec)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            hf_config(spec, cfg), dtype=dt.param if cfg.mode == "full" else dt.frozen)
+    model = apply_mode(model, cfg)
+    if cfg.memory.activation_checkpointing and cfg.mode != "inference":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.mode != "inference":
+        model.train()
+    if dims is not None and dims.shards_params:
+        model = apply_fsdp(model, dims, prec, mesh)
+    return model
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocate the meta model on `device` and initialize it (weights, rotary buffers)."""
+    model.to_empty(device=device)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    with torch.no_grad():
+        base.init_weights()
+        for name, p in model.named_parameters():
+            if "lora_" in name:  # PEFT's own init: A random, B zero
+                nn.init.zeros_(p) if "lora_B" in name else nn.init.kaiming_uniform_(p, a=5**0.5)
+    return model

@@ -1,0 +1,109 @@
+"""One optimizer step: forward/backward over the accumulation window, then the update.
+
+The tracer and the training loop call this same function; `on_phase` marks phase boundaries
+("forward", "backward", "optimizer", "end") so memory can be measured per phase.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainplan.spec.precision import Precision
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Tensors, not floats: under the tracer's fake mode there are no values to read."""
+
+    loss: torch.Tensor  # mean token loss over the accumulation window
+    grad_norm: torch.Tensor
+    tokens: int
+
+
+def autocast(prec: Precision, device_type: str):
+    if not prec.autocast:
+        return contextlib.nullcontext()
+    dtype = torch.float16 if prec.loss_scaling else torch.bfloat16
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def target_tokens(batch: dict) -> int:
+    """Tokens that carry a loss: labels are shifted inside the model, so position 0 never does."""
+    return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Sequence[dict], *,
+               prec: Precision, device_type: str, scaler=None, max_grad_norm: float | None = 1.0,
+               on_phase: Callable[[str], None] = lambda phase: None, token_count: int | None = None) -> StepResult:
+    """Accumulate gradients over `micro_batches`, then clip and step.
+
+    The loss is normalised by the tokens of the whole accumulation window (`token_count`,
+    summed over data-parallel ranks by the caller), not per micro-batch, so accumulation
+    matches one big batch.
+    """
+    tokens = token_count if token_count is not None else sum(target_tokens(mb) for mb in micro_batches)
+    total = None
+    for mb in micro_batches:
+        on_phase("forward")
+        with autocast(prec, device_type):
+            loss = model(input_ids=mb["input_ids"], labels=mb["labels"], num_items_in_batch=tokens).loss
+        on_phase("backward")
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+        del loss
+    on_phase("optimizer")
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    on_phase("end")
+    return StepResult(loss=total, grad_norm=norm, tokens=tokens)
+
+
+def eval_forward(model: nn.Module, batch: dict, *, prec: Precision, device_type: str,
+                 on_phase: Callable[[str], None] = lambda phase: None) -> torch.Tensor:
+    """Inference: one forward under inference_mode; no graph, no gradients."""
+    on_phase("inference")
+    with torch.inference_mode(), autocast(prec, device_type):
+        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+    on_phase("end")
+    return loss
+
+
+def build_optimizer(model: nn.Module, name: str, impl: str, lr: float, weight_decay: float,
+                    device_type: str) -> torch.optim.Optimizer:
+    """The optimizer the plan assumed: `impl` auto means torch's own default for the device."""
+    from trainplan.errors import TrainplanError
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    flags = {}
+    if impl == "auto":
+        impl = "foreach" if device_type == "cuda" else "for-loop"
+    if impl == "foreach":
+        flags = {"foreach": True}
+    elif impl == "fused":
+        flags = {"fused": True}
+    elif impl == "for-loop":
+        flags = {"foreach": False}
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **flags)
+    if name in ("sgd", "sgd-momentum"):
+        return torch.optim.SGD(params, lr=lr, momentum=0.9 if name == "sgd-momentum" else 0.0,
+                               weight_decay=weight_decay, **{k: v for k, v in flags.items() if k != "fused"})
+    if name == "adafactor":
+        return torch.optim.Adafactor(params, lr=lr, weight_decay=weight_decay,
+                                     **{k: v for k, v in flags.items() if k == "foreach"})
+    raise TrainplanError(f"optim.name: {name} needs bitsandbytes on CUDA; use adamw on this device")
