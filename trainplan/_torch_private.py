@@ -10,6 +10,8 @@ Workarounds for torch 2.13, each needed by the tracer:
 - MemTracker refuses a second iteration unless module stats are reset: reset per iteration.
 - The peak is global to the tracker: reset it at phase boundaries to get per-phase peaks.
 - Fake CUDA tensors abort on a CPU build: trace on the CPU device only.
+- Under inference_mode, composite ops reach a dispatch mode undecomposed, hiding their inner
+  allocations from the tracker: decompose them inside the tracker.
 
 And one for transformers (5.x): its mask code cannot read fake position ids, so under fake tensors
 it assumes packed sequences and materializes a (b, 1, s, s) mask plus repeat_kv copies that a real
@@ -82,6 +84,13 @@ CATEGORY = {
 }
 
 
+def _decomposable(func) -> bool:
+    try:
+        return func._can_decompose()
+    except RuntimeError:  # an op without a registered schema for the query
+        return False
+
+
 def _phase_tracker_class(base: type) -> type:
     class PhaseTracker(base):
         """A tracker whose peak can be reset between phases, and that tolerates frozen params."""
@@ -103,6 +112,17 @@ def _phase_tracker_class(base: type) -> type:
                         p.register_post_accumulate_grad_hook(lambda q, hook=hook: hook(q.grad)),
                     )
             return params
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # Under inference_mode, composite ops (cross_entropy, linear) reach the mode whole and
+            # their inner allocations (cross_entropy's log-softmax) would be invisible: decompose
+            # them with the tracker re-entered so every allocation is seen.
+            if torch.is_inference_mode_enabled() and getattr(func, "namespace", "") == "aten" and _decomposable(func):
+                with self:
+                    out = func.decompose(*args, **(kwargs or {}))
+                if out is not NotImplemented:
+                    return out
+            return super().__torch_dispatch__(func, types, args, kwargs)
 
         def reset_peak(self) -> None:
             self._peak_mem = {}

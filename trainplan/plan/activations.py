@@ -130,7 +130,9 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
         qkv = [(spec.layer_linears[0].module, h)]
     else:
         qkv = [("q_proj", h), ("k_proj", h), ("v_proj", h)]
-    out += _linear_inputs(spec, ctx, qkv, f"{norm_name}.output", norm_out_bytes, input_requires_grad=input_requires_grad)
+    out += _linear_inputs(
+        spec, ctx, qkv, f"{norm_name}.output", norm_out_bytes, input_requires_grad=input_requires_grad
+    )
     # q, k after rotary: under autocast cos/sin are fp32 (they follow the fp32 hidden states), so
     # q_embed is fp32 and SDPA casts it back; the bf16 casts are what SDPA saves.
     qk_bytes = cb if ctx.autocast or spec.model_type == "gpt2" else rb

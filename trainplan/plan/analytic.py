@@ -282,8 +282,12 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
             )
     elif autocast and full:
         # Only matmul weights are cast: embedding lookups and norm multiplies run in fp32.
-        cast = [t for t in trainable if t.role in ("linear", "bias", "lm_head", "router", "expert")
-                or (t.role == "embedding" and spec.tie_word_embeddings and last)]
+        cast = [
+            t
+            for t in trainable
+            if t.role in ("linear", "bias", "lm_head", "router", "expert")
+            or (t.role == "embedding" and spec.tie_word_embeddings and last)
+        ]
         copies_fwd = copies_bwd = sum(_tp_numel(t, tp) for t in cast) * cb
         explain["weight_copies"] = (
             f"autocast caches a {prec.compute_dtype} copy of every trainable matmul weight from forward until "
@@ -392,21 +396,18 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         saved_layers += A.total(A.layer_saved(spec, ctx, input_requires_grad=False)) - A.total(per_layer)
     head_saved = A.head_saved(spec, ctx, lm_head_trainable=full) if last else []
     in_flight = min(dims.pp - stage, batch.grad_accum_steps) if dims.pp > 1 else 1
-    mask = 0
-    if cfg.memory.attention == "eager":
-        mask = t_micro * batch.seq_len * batch.seq_len * residual
     layer_in = ctx.tokens * spec.hidden_size * residual
     if cfg.memory.activation_checkpointing:
-        act_fwd = in_flight * (len(layer_list) * layer_in + A.total(head_saved)) + mask
-        act_bwd = act_fwd - mask + A.total(per_layer)  # one layer recomputed at a time
+        act_fwd = in_flight * (len(layer_list) * layer_in + A.total(head_saved))
+        act_bwd = act_fwd + A.total(per_layer)  # one layer recomputed at a time
         explain["activations"] = (
             f"checkpointing keeps each layer's input ({gib(layer_in)}) x {len(layer_list)} "
             f"layers x {in_flight} micro-batch(es) in flight, plus one layer recomputed in "
             f"backward ({gib(A.total(per_layer))})"
         )
     else:
-        act_fwd = in_flight * (saved_layers + A.total(head_saved)) + mask
-        act_bwd = act_fwd - mask
+        act_fwd = in_flight * (saved_layers + A.total(head_saved))
+        act_bwd = act_fwd
         top = max(per_layer, key=lambda s: s.nbytes)
         explain["activations"] = (
             f"{len(layer_list)} layers x {gib(A.total(per_layer))} saved per layer "
@@ -415,8 +416,7 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         )
     details["activations (one layer)"] = [(s.name, s.nbytes) for s in per_layer]
     head_grad = first_grads if (full and not persistent_grads) else 0
-    logits = (A.logits_loss_bytes(spec, ctx, head_grad) if last
-              else {"forward": 0, "backward": 0, "backward_grads": 0})
+    logits = A.logits_loss_bytes(spec, ctx, head_grad) if last else {"forward": 0, "backward": 0, "backward_grads": 0}
     step_inputs = A.step_inputs_bytes(spec, ctx)
     act_fwd += in_flight * step_inputs
     act_bwd += in_flight * step_inputs
@@ -431,6 +431,20 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         )
 
     g_live_fwd = grads if (persistent_grads and full) else 0
+    # Backward through the first layer: its saved tensors (recomputed under checkpointing) plus the
+    # gradients of the MLP's intermediates (d product, d act, d up, d gate), in the compute dtype.
+    first_layer_grads = 0
+    if full and layer_list:
+        in_first = [t for t in trainable if t.layer == layer_list[0]] + [t for t in trainable if t.role == "embedding"]
+        first_layer_grads = sum(_sharded_numel(t, tp, shard_g) for t in in_first) * prec.grad_bytes
+    inter = spec.intermediate_size // tp * (spec.experts_per_token or 1)
+    # By the time the MLP's input gradients are formed, down_proj's backward has released its input.
+    down_in = ctx.tokens * inter * cb if full else 0
+    first_layer_bwd = (
+        A.total(A.layer_saved(spec, ctx, input_requires_grad=full)) - down_in + 4 * ctx.tokens * inter * cb + layer_in
+    )  # + the residual stream's gradient
+    if cfg.memory.activation_checkpointing and residual != 4:  # else the norm's fp32 input is the kept input
+        first_layer_bwd += layer_in
     adapter_live = adapter_w + adapter_o + adapter_copy
     phases = {
         "forward": {
@@ -455,15 +469,29 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
             "buffers": buffers,
             "comm_buffers": comm_bwd,
         },
-        "optimizer": {
-            "weights": weights,
-            "adapter": adapter_w + adapter_o + adapter_g,
-            "gradients": grads,
-            "optimizer": opt,
-            "optimizer_temp": opt_temp,
-            "activations": 2 * ctx.tokens * 8,  # the batch (ids, labels) is still referenced
-            "buffers": buffers,
-        },
+    }
+    # The end of backward: the first layer's backward runs while every later gradient exists.
+    # Whichever moment holds more is the backward peak.
+    backward_end = {
+        "weights": weights,
+        "weight_copies": copies_bwd,
+        "adapter": adapter_live + adapter_g,
+        "gradients": max(g_live_fwd, grads - first_layer_grads),
+        "optimizer": opt,
+        "activations": first_layer_bwd + in_flight * step_inputs,
+        "buffers": buffers,
+        "comm_buffers": comm_bwd,
+    }
+    if sum(backward_end.values()) > sum(phases["backward"].values()):
+        phases["backward"] = backward_end
+    phases["optimizer"] = {
+        "weights": weights,
+        "adapter": adapter_w + adapter_o + adapter_g,
+        "gradients": grads,
+        "optimizer": opt,
+        "optimizer_temp": opt_temp,
+        "activations": 2 * ctx.tokens * 8,  # the batch (ids, labels) is still referenced
+        "buffers": buffers,
     }
     led = DeviceLedger(
         label=_label(device, rank),
@@ -546,15 +574,23 @@ def _inference_ledger(
         dtype_bytes=cb,
     )
     h, inter = spec.hidden_size, spec.intermediate_size // tp
-    attn = tokens * (2 * spec.q_dim + 2 * spec.kv_dim) // tp * cb
-    mlp = 3 * tokens * inter * cb
-    transient = 2 * tokens * h * cb + max(attn, mlp)
-    logits = tokens * -(-spec.vocab_size // tp) * (cb + 4 + 4) if last else 0
+    # Two moments compete: inside the widest layer (residual, normed input, MLP gate/up/act), and
+    # the loss (final hidden state, logits, their fp32 upcast and log-softmax, int64 labels).
+    inputs = 2 * tokens * 8
+    layer = 3 * tokens * h * cb + 3 * tokens * inter * cb
+    vocab = -(-spec.vocab_size // tp)
+    loss = tokens * h * cb + tokens * vocab * (cb + 4 + 4) + batch.micro_batch_size * (2 * batch.seq_len + 1) * 8
+    if last and loss >= layer:
+        transient, logits = tokens * h * cb + inputs, loss - tokens * h * cb
+    else:
+        transient, logits = layer + inputs, 0
     explain["kv_cache"] = (
         f"2 (K,V) x batch {batch.micro_batch_size} x context {batch.seq_len} x {len(layers)} layers "
         f"x {spec.num_kv_heads // tp} KV heads x head_dim {spec.head_dim} x {cb} B"
     )
-    explain["activations"] = "prefill working set of one layer (no tensors are saved under inference_mode)"
+    explain["activations"] = (
+        "the batch and the working set of the widest moment (nothing is saved under inference_mode)"
+    )
     if last:
         explain["logits_loss"] = "logits over the evaluated tokens, their fp32 upcast and log-softmax"
     phases = {

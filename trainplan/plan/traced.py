@@ -54,18 +54,24 @@ class TraceResult:
 def _check_traceable(r: analytic.Resolved) -> None:
     cfg = r.cfg
     if cfg.mode == "qlora":
-        raise TrainplanError("run.mode: qlora needs bitsandbytes on CUDA and cannot be traced on the CPU; "
-                             "use `trainplan plan` (analytic) for qlora")
+        raise TrainplanError(
+            "run.mode: qlora needs bitsandbytes on CUDA and cannot be traced on the CPU; "
+            "use `trainplan plan` (analytic) for qlora"
+        )
     if cfg.optim.name == "adamw-8bit":
-        raise TrainplanError("optim.name: adamw-8bit needs bitsandbytes on CUDA and cannot be traced; "
-                             "use `trainplan plan` for it")
+        raise TrainplanError(
+            "optim.name: adamw-8bit needs bitsandbytes on CUDA and cannot be traced; use `trainplan plan` for it"
+        )
     if r.dims.tp > 1 or r.dims.pp > 1:
-        raise TrainplanError("parallel.tp/pp: the trace covers data parallelism (DDP, ZeRO, FSDP) only; "
-                             "use `trainplan plan` for tensor and pipeline parallelism")
+        raise TrainplanError(
+            "parallel.tp/pp: the trace covers data parallelism (DDP, ZeRO, FSDP) only; "
+            "use `trainplan plan` for tensor and pipeline parallelism"
+        )
 
 
-def _to_components(raw: dict[str, int], *, adapter_params: int, adapter_states: int, states: int,
-                   lora: bool, phase: str) -> dict[str, int]:
+def _to_components(
+    raw: dict[str, int], *, adapter_params: int, adapter_states: int, states: int, lora: bool, phase: str
+) -> dict[str, int]:
     """Tracker categories -> ledger components. LoRA's params/grads/states are exactly known,
     so they move to the adapter row; the optimizer phase's excess over the states is temp."""
     out = {
@@ -126,8 +132,15 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[TraceResult, a
                 if cfg.mode == "inference":
                     step.eval_forward(model, micro_batches[0], prec=prec, device_type="cpu", on_phase=on_phase)
                 else:
-                    step.train_step(model, optimizer, micro_batches, prec=prec, device_type="cpu",
-                                    on_phase=on_phase, token_count=tokens)
+                    step.train_step(
+                        model,
+                        optimizer,
+                        micro_batches,
+                        prec=prec,
+                        device_type="cpu",
+                        on_phase=on_phase,
+                        token_count=tokens,
+                    )
 
     def body(mesh=None):
         model = build.build_model(r.spec, cfg, prec, dims=dims if fsdp else None, mesh=mesh)
@@ -138,8 +151,9 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[TraceResult, a
             micro_batches = [{"input_ids": ids, "labels": ids.clone()} for _ in range(micro_steps)]
             optimizer = None
             if cfg.mode != "inference":
-                optimizer = step.build_optimizer(model, cfg.optim.name, cfg.optim.implementation, cfg.optim.lr,
-                                                 cfg.optim.weight_decay, target)
+                optimizer = step.build_optimizer(
+                    model, cfg.optim.name, cfg.optim.implementation, cfg.optim.lr, cfg.optim.weight_decay, target
+                )
             if fsdp:
                 tracker = P.fsdp_mem_tracker(model, optimizer)
                 tracker.track_inputs(tuple(t for mb in micro_batches for t in mb.values()))
@@ -150,8 +164,16 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[TraceResult, a
             run_traced(tracker, model, optimizer, micro_batches, tokens)
             trainable = [p for p in model.parameters() if p.requires_grad]
             adapter_params = sum(_local_nbytes(p) for p in trainable) if cfg.mode == "lora" else 0
-            states = (sum(_local_nbytes(t) for s in optimizer.state.values() for t in s.values()
-                          if isinstance(t, torch.Tensor)) if optimizer is not None else 0)
+            states = (
+                sum(
+                    _local_nbytes(t)
+                    for s in optimizer.state.values()
+                    for t in s.values()
+                    if isinstance(t, torch.Tensor)
+                )
+                if optimizer is not None
+                else 0
+            )
         return adapter_params, states
 
     if fsdp:
@@ -163,20 +185,35 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[TraceResult, a
         adapter_params, states = body()
 
     lora = cfg.mode == "lora"
-    comps = {ph: _to_components(raw, adapter_params=adapter_params, adapter_states=states, states=states,
-                                lora=lora, phase=ph) for ph, raw in phases.items()}
+    comps = {
+        ph: _to_components(
+            raw, adapter_params=adapter_params, adapter_states=states, states=states, lora=lora, phase=ph
+        )
+        for ph, raw in phases.items()
+    }
     rows = {c: "traced" for ph in comps.values() for c in ph}
-    notes = [f"traced on fake CPU tensors: {'FSDP rank 0 of ' + str(world) if fsdp else 'one rank'}, "
-             f"{micro_steps} micro-batch(es) per step, measured on the second step"]
+    notes = [
+        f"traced on fake CPU tensors: {'FSDP rank 0 of ' + str(world) if fsdp else 'one rank'}, "
+        f"{micro_steps} micro-batch(es) per step, measured on the second step"
+    ]
     if not fsdp and dims.strategy in ("ddp", "zero1", "zero2") and cfg.mode != "inference":
         _derive_data_parallel(comps, rows, dims, r)
         notes.append(f"{dims.strategy} rows derived from the single-rank trace (dp {dims.dp})")
     if target == "cuda":
-        notes.append("traced with CPU kernels: CUDA-only kernels (flash attention's saved tensors, fused "
-                     "cross-entropy) and CUDA autocast's op lists may differ")
+        notes.append(
+            "traced with CPU kernels: CUDA-only kernels (flash attention's saved tensors, fused "
+            "cross-entropy) and CUDA autocast's op lists may differ"
+        )
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return TraceResult(phases=comps, raw=phases, rows=rows, world_size=world, seconds=time.perf_counter() - t0,
-                       max_rss_bytes=rss, notes=notes), r
+    return TraceResult(
+        phases=comps,
+        raw=phases,
+        rows=rows,
+        world_size=world,
+        seconds=time.perf_counter() - t0,
+        max_rss_bytes=rss,
+        notes=notes,
+    ), r
 
 
 def _local_nbytes(t) -> int:
@@ -211,11 +248,26 @@ def traced_ledger(result: TraceResult, r: analytic.Resolved) -> Ledger:
     analytic_ledger = analytic.plan(r.cfg, r.spec)
     devices = []
     for proto in analytic_ledger.devices:
-        devices.append(DeviceLedger(label=proto.label, device=proto.device, role=proto.role, phases=result.phases,
-                                    runtime_bytes=proto.runtime_bytes, reserve_fraction=proto.reserve_fraction,
-                                    safety_margin=proto.safety_margin, explain={}, ranks=proto.ranks))
-    return Ledger(model=analytic_ledger.model, settings=analytic_ledger.settings, devices=devices,
-                  notes=result.notes, source="traced")
+        devices.append(
+            DeviceLedger(
+                label=proto.label,
+                device=proto.device,
+                role=proto.role,
+                phases=result.phases,
+                runtime_bytes=proto.runtime_bytes,
+                reserve_fraction=proto.reserve_fraction,
+                safety_margin=proto.safety_margin,
+                explain={},
+                ranks=proto.ranks,
+            )
+        )
+    return Ledger(
+        model=analytic_ledger.model,
+        settings=analytic_ledger.settings,
+        devices=devices,
+        notes=result.notes,
+        source="traced",
+    )
 
 
 def compare(result: TraceResult, analytic_ledger: Ledger) -> list[dict]:
@@ -229,6 +281,14 @@ def compare(result: TraceResult, analytic_ledger: Ledger) -> list[dict]:
             keys = comps or tuple(set(a_ph) | set(t_ph))
             a = sum(a_ph.get(c, 0) for c in keys)
             t = sum(t_ph.get(c, 0) for c in keys)
-            rows.append({"phase": phase, "group": group, "analytic": a, "traced": t, "diff": a - t,
-                         "diff_of_peak": (a - t) / peak if peak else 0.0})
+            rows.append(
+                {
+                    "phase": phase,
+                    "group": group,
+                    "analytic": a,
+                    "traced": t,
+                    "diff": a - t,
+                    "diff_of_peak": (a - t) / peak if peak else 0.0,
+                }
+            )
     return rows

@@ -27,8 +27,9 @@ class Dtypes:
 def dtypes(prec: Precision) -> Dtypes:
     half = torch.float16 if prec.loss_scaling else torch.bfloat16
     by_bytes = {4: torch.float32, 2: half}
-    return Dtypes(param=by_bytes[prec.param_bytes], frozen=by_bytes[prec.frozen_bytes],
-                  compute=by_bytes[prec.compute_bytes])
+    return Dtypes(
+        param=by_bytes[prec.param_bytes], frozen=by_bytes[prec.frozen_bytes], compute=by_bytes[prec.compute_bytes]
+    )
 
 
 def hf_config(spec: ModelSpec, cfg: RunConfig):
@@ -63,8 +64,13 @@ def apply_mode(model: nn.Module, cfg: RunConfig) -> nn.Module:
         return model.eval()
     import peft
 
-    lora = peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                           target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM")
+    lora = peft.LoraConfig(
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=list(cfg.lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
     # PEFT upcasts the adapters to fp32 when the base is 16-bit (autocast_adapter_dtype=True).
     return peft.get_peft_model(model, lora)
 
@@ -74,8 +80,9 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, prec: Precision, mesh) -> n
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dt = dtypes(prec)
-    mp = MixedPrecisionPolicy(param_dtype=dt.compute, reduce_dtype=torch.float32 if prec.grad_bytes == 4
-                              else dt.compute)
+    mp = MixedPrecisionPolicy(
+        param_dtype=dt.compute, reduce_dtype=torch.float32 if prec.grad_bytes == 4 else dt.compute
+    )
     reshard = dims.strategy == "zero3"
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
@@ -83,8 +90,9 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, prec: Precision, mesh) -> n
     return model
 
 
-def build_model(spec: ModelSpec, cfg: RunConfig, prec: Precision, *, dims: ParallelDims | None = None,
-                mesh=None) -> nn.Module:
+def build_model(
+    spec: ModelSpec, cfg: RunConfig, prec: Precision, *, dims: ParallelDims | None = None, mesh=None
+) -> nn.Module:
     """The model on the meta device, with mode, precision, checkpointing and FSDP applied.
 
     Materialize it with `materialize` (real tensors) or inside a fake mode (the tracer).
@@ -92,12 +100,14 @@ def build_model(spec: ModelSpec, cfg: RunConfig, prec: Precision, *, dims: Paral
     import transformers
 
     if cfg.mode == "qlora":
-        raise TrainplanError("run.mode: qlora needs bitsandbytes on CUDA; it cannot be built on the CPU "
-                             "(the analytic plan covers it)")
+        raise TrainplanError(
+            "run.mode: qlora needs bitsandbytes on CUDA; it cannot be built on the CPU (the analytic plan covers it)"
+        )
     dt = dtypes(prec)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(
-            hf_config(spec, cfg), dtype=dt.param if cfg.mode == "full" else dt.frozen)
+            hf_config(spec, cfg), dtype=dt.param if cfg.mode == "full" else dt.frozen
+        )
     model = apply_mode(model, cfg)
     if cfg.memory.activation_checkpointing and cfg.mode != "inference":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -39,9 +39,18 @@ def target_tokens(batch: dict) -> int:
     return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Sequence[dict], *,
-               prec: Precision, device_type: str, scaler=None, max_grad_norm: float | None = 1.0,
-               on_phase: Callable[[str], None] = lambda phase: None, token_count: int | None = None) -> StepResult:
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[dict],
+    *,
+    prec: Precision,
+    device_type: str,
+    scaler=None,
+    max_grad_norm: float | None = 1.0,
+    on_phase: Callable[[str], None] = lambda phase: None,
+    token_count: int | None = None,
+) -> StepResult:
     """Accumulate gradients over `micro_batches`, then clip and step.
 
     The loss is normalised by the tokens of the whole accumulation window (`token_count`,
@@ -73,8 +82,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     return StepResult(loss=total, grad_norm=norm, tokens=tokens)
 
 
-def eval_forward(model: nn.Module, batch: dict, *, prec: Precision, device_type: str,
-                 on_phase: Callable[[str], None] = lambda phase: None) -> torch.Tensor:
+def eval_forward(
+    model: nn.Module,
+    batch: dict,
+    *,
+    prec: Precision,
+    device_type: str,
+    on_phase: Callable[[str], None] = lambda phase: None,
+) -> torch.Tensor:
     """Inference: one forward under inference_mode; no graph, no gradients."""
     on_phase("inference")
     with torch.inference_mode(), autocast(prec, device_type):
@@ -83,8 +98,9 @@ def eval_forward(model: nn.Module, batch: dict, *, prec: Precision, device_type:
     return loss
 
 
-def build_optimizer(model: nn.Module, name: str, impl: str, lr: float, weight_decay: float,
-                    device_type: str) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, name: str, impl: str, lr: float, weight_decay: float, device_type: str
+) -> torch.optim.Optimizer:
     """The optimizer the plan assumed: `impl` auto means torch's own default for the device."""
     from trainplan.errors import TrainplanError
 
@@ -101,9 +117,15 @@ def build_optimizer(model: nn.Module, name: str, impl: str, lr: float, weight_de
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **flags)
     if name in ("sgd", "sgd-momentum"):
-        return torch.optim.SGD(params, lr=lr, momentum=0.9 if name == "sgd-momentum" else 0.0,
-                               weight_decay=weight_decay, **{k: v for k, v in flags.items() if k != "fused"})
+        return torch.optim.SGD(
+            params,
+            lr=lr,
+            momentum=0.9 if name == "sgd-momentum" else 0.0,
+            weight_decay=weight_decay,
+            **{k: v for k, v in flags.items() if k != "fused"},
+        )
     if name == "adafactor":
-        return torch.optim.Adafactor(params, lr=lr, weight_decay=weight_decay,
-                                     **{k: v for k, v in flags.items() if k == "foreach"})
+        return torch.optim.Adafactor(
+            params, lr=lr, weight_decay=weight_decay, **{k: v for k, v in flags.items() if k == "foreach"}
+        )
     raise TrainplanError(f"optim.name: {name} needs bitsandbytes on CUDA; use adamw on this device")

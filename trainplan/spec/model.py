@@ -320,7 +320,8 @@ def from_hf_config(cfg: dict, *, name: str, where: str = "config.json") -> Model
         attn_dropout=cfg.get("attention_dropout", 0.0) or 0.0,
         resid_dropout=cfg.get("resid_pdrop", 0.0) or 0.0,
         embd_dropout=cfg.get("embd_pdrop", 0.0) or 0.0,
-        source=where, config=dict(cfg),
+        source=where,
+        config=dict(cfg),
     )
 
 
