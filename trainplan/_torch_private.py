@@ -124,6 +124,14 @@ def _phase_tracker_class(base: type) -> type:
                     return out
             return super().__torch_dispatch__(func, types, args, kwargs)
 
+        def _update_peak_stats(self, peak_state) -> None:
+            # Only the device-wide peak is needed; the per-module bookkeeping the base class does
+            # on every op costs O(modules) and dominates trace time on deep models.
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev] = snap["Total"]
+                    self._peak_mem_snap[dev] = dict(snap)
+
         def reset_peak(self) -> None:
             self._peak_mem = {}
             self._peak_mem_snap = {}

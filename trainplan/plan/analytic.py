@@ -435,7 +435,10 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     # gradients of the MLP's intermediates (d product, d act, d up, d gate), in the compute dtype.
     first_layer_grads = 0
     if full and layer_list:
-        in_first = [t for t in trainable if t.layer == layer_list[0]] + [t for t in trainable if t.role == "embedding"]
+        # the embedding's gradient comes last, unless it is tied to lm_head, whose comes first
+        in_first = [t for t in trainable if t.layer == layer_list[0]] + [
+            t for t in trainable if t.role == "embedding" and not spec.tie_word_embeddings
+        ]
         first_layer_grads = sum(_sharded_numel(t, tp, shard_g) for t in in_first) * prec.grad_bytes
     inter = spec.intermediate_size // tp * (spec.experts_per_token or 1)
     # By the time the MLP's input gradients are formed, down_proj's backward has released its input.
@@ -472,9 +475,13 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     }
     # The end of backward: the first layer's backward runs while every later gradient exists.
     # Whichever moment holds more is the backward peak.
+    # autocast's weight copies are released layer by layer as backward consumes them
+    end_copies = copies_bwd
+    if autocast and full and not fsdp and layer_list:
+        end_copies = sum(_tp_numel(t, tp) for t in cast if t.layer == layer_list[0]) * cb
     backward_end = {
         "weights": weights,
-        "weight_copies": copies_bwd,
+        "weight_copies": end_copies,
         "adapter": adapter_live + adapter_g,
         "gradients": max(g_live_fwd, grads - first_layer_grads),
         "optimizer": opt,

@@ -145,7 +145,7 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[TraceResult, a
     def body(mesh=None):
         model = build.build_model(r.spec, cfg, prec, dims=dims if fsdp else None, mesh=mesh)
         with P.fake_mode():
-            model.to_empty(device="cpu")
+            build.allocate(model, "cpu")
             ids = torch.randint(0, r.spec.vocab_size, (batch.micro_batch_size, batch.seq_len))
             # labels are their own tensor, as in training (prompt tokens masked with -100)
             micro_batches = [{"input_ids": ids, "labels": ids.clone()} for _ in range(micro_steps)]
@@ -243,9 +243,8 @@ def _derive_data_parallel(comps: dict[str, dict[str, int]], rows: dict[str, str]
         rows["gradients"] = f"derived: zero2 shards gradients over dp {dp}"
 
 
-def traced_ledger(result: TraceResult, r: analytic.Resolved) -> Ledger:
+def traced_ledger(result: TraceResult, r: analytic.Resolved, analytic_ledger: Ledger) -> Ledger:
     """The traced bill as a Ledger (runtime and allocator reserve from the analytic settings)."""
-    analytic_ledger = analytic.plan(r.cfg, r.spec)
     devices = []
     for proto in analytic_ledger.devices:
         devices.append(

@@ -118,9 +118,18 @@ def build_model(
     return model
 
 
+def allocate(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """to_empty, then re-tie: to_empty gives each module its own copy of a shared parameter."""
+    model.to_empty(device=device)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base.config, "tie_word_embeddings", False):
+        base.tie_weights()
+    return model
+
+
 def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     """Allocate the meta model on `device` and initialize it (weights, rotary buffers)."""
-    model.to_empty(device=device)
+    allocate(model, device)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     with torch.no_grad():
         base.init_weights()
