@@ -1,34 +1,41 @@
-"""Every use of private PyTorch APIs lives here: fake tensors and torch.distributed._tools.
+"""Every use of private PyTorch and transformers internals lives here: fake tensors, the fake
+process group, dispatch-mode tracking, and transformers' mask code.
 
-Tested on torch 2.13 (tests/test_torch_private.py). An upgrade outside TESTED_TORCH fails here,
-loudly, instead of somewhere deep in a trace.
+Tested on torch 2.13 and transformers 5 (tests/test_torch_private.py). An upgrade outside
+TESTED_TORCH fails here, loudly, instead of somewhere deep in a trace.
 
-Workarounds for torch 2.13, each needed by the tracer:
+Known workarounds, each needed by the tracer:
 - `.to()` / `to_empty()` fail on modules holding fake parameters: build on meta, wrap with PEFT
-  first, then `to_empty` inside `FakeTensorMode(allow_non_fake_inputs=True)`.
-- MemTracker registers grad hooks on every parameter and fails on frozen ones: skip those.
-- MemTracker refuses a second iteration unless module stats are reset: reset per iteration.
-- The peak is global to the tracker: reset it at phase boundaries to get per-phase peaks.
-- Fake CUDA tensors abort on a CPU build: trace on the CPU device only.
+  first, then `to_empty` inside `FakeTensorMode(allow_non_fake_inputs=True)`; to_empty also
+  unties shared weights, so the builder re-ties them.
+- torch.distributed._tools.MemTracker fails on frozen parameters, refuses a second iteration,
+  spends O(modules) per op, and (torch 2.13) keeps counting some storages after they are freed
+  when LoRA meets activation checkpointing (+T x V bytes after the loss). StorageTracker below
+  counts storages from creation to release instead; tests check it against the profiler.
 - Under inference_mode, composite ops reach a dispatch mode undecomposed, hiding their inner
-  allocations from the tracker: decompose them inside the tracker.
-
-And one for transformers (5.x): its mask code cannot read fake position ids, so under fake tensors
-it assumes packed sequences and materializes a (b, 1, s, s) mask plus repeat_kv copies that a real
-run without padding never allocates. trainplan's batches are unpacked, so the trace tells it so.
+  allocations (cross_entropy's log-softmax): the tracker decomposes them.
+- FSDP2 frees unsharded parameters with UntypedStorage.resize_(0), which no dispatch mode sees:
+  the tracker wraps resize_ while it is active.
+- Fake CUDA tensors abort on a CPU build: trace on the CPU device only.
+- transformers 5's mask code cannot read fake position ids, so under fake tensors it assumes
+  packed sequences and builds a (b, 1, s, s) mask that a real run without padding never does.
+  trainplan's batches are unpacked, so the trace tells it so.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
-from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from trainplan.errors import TrainplanError
 
 TESTED_TORCH = ((2, 8), (2, 14))  # [low, high] major.minor, inclusive
+CATEGORIES = ("params", "buffers", "grads", "optimizer", "inputs", "activations")
 
 
 def check_torch_version(version: str = torch.__version__) -> None:
@@ -64,114 +71,209 @@ def fake_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-# Categories of the trackers, mapped to trainplan's names.
-CATEGORY = {
-    "Parameter": "params",
-    "Sharded Param": "params",
-    "Buffer": "buffers",
-    "Gradient": "grads",
-    "Sharded Grad": "grads",
-    "Optstate": "optimizer",
-    "OptState": "optimizer",
-    "Activation": "activations",
-    "Temp": "temporaries",
-    "Other": "inputs",
-    "Inputs": "inputs",
-    "Unsharded Param": "unsharded_params",
-    "Unsharded Grad": "unsharded_grads",
-    "All Gather": "all_gather",
-    "Reduce Scatter": "reduce_scatter",
-}
+@contextlib.contextmanager
+def cuda_kernels() -> Iterator[None]:
+    """Trace on the CPU with what CUDA's kernels save, for a plan that targets GPUs.
+
+    - dropout: CUDA runs the fused native_dropout, which saves a bool mask; the CPU path saves
+      `input * noise`'s noise in the input's dtype.
+    - scaled_dot_product_attention: CUDA runs flash attention (fp16/bf16, no mask) or memory-
+      efficient attention (otherwise), both with fused dropout; the CPU falls back to the math
+      kernel when dropout is on, saving the s^2 attention weights. The CUDA ops' meta kernels
+      give the exact saved tensors on fake CPU tensors.
+    """
+    import torch.nn.functional as F
+
+    dropout_orig, sdpa_orig = F.dropout, F.scaled_dot_product_attention
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if not training or p == 0:
+            return input
+        return torch.native_dropout(input, p, True)[0]
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if torch.is_autocast_enabled("cpu"):  # autocast lowers SDPA's inputs; it does not know these ops
+            dtype = torch.get_autocast_dtype("cpu")
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
+            return torch.ops.aten._scaled_dot_product_flash_attention(  # handles GQA natively
+                query, key, value, dropout_p, is_causal, False, scale=scale
+            )[0]
+        if key.shape[-3] != query.shape[-3]:  # efficient attention wants equal head counts
+            groups = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
+        )[0]
+
+    F.dropout, F.scaled_dot_product_attention = dropout, sdpa
+    try:
+        yield
+    finally:
+        F.dropout, F.scaled_dot_product_attention = dropout_orig, sdpa_orig
 
 
 def _decomposable(func) -> bool:
     try:
-        return func._can_decompose()
+        return getattr(func, "namespace", "") == "aten" and func._can_decompose()
     except RuntimeError:  # an op without a registered schema for the query
         return False
 
 
-def _phase_tracker_class(base: type) -> type:
-    class PhaseTracker(base):
-        """A tracker whose peak can be reset between phases, and that tolerates frozen params."""
+def _storage(t: torch.Tensor):
+    local = t._local_tensor if hasattr(t, "_local_tensor") else t
+    return local.untyped_storage()
 
-        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
-            if not install_grad_hooks:
-                return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-            params = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-            for p in module.parameters():
-                if p.requires_grad and self._param_to_grad_hook_handles.get(p, None) is None:
 
-                    def hook(grad, self=self):
-                        from torch.distributed._tools.mem_tracker import _MemRefType
+class StorageTracker(TorchDispatchMode):
+    """Counts every tensor storage from the op that creates it until it is freed.
 
-                        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+    Categories: params, buffers, grads (re-tagged when a gradient is accumulated or the optimizer
+    steps), optimizer (states, and anything allocated inside optimizer.step()), inputs, and
+    activations (everything else: saved tensors, temporaries, logits). The peak since the last
+    `reset_peak` is kept per category, so phases can be measured one by one.
+    """
 
-                    self._param_to_grad_hook_handles[p] = (
-                        p.register_hook(hook),
-                        p.register_post_accumulate_grad_hook(lambda q, hook=hook: hook(q.grad)),
-                    )
-            return params
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, list] = {}  # id(storage) -> [category, nbytes]
+        self.totals = dict.fromkeys(CATEGORIES, 0)
+        self.total = 0
+        self.peak_total = 0
+        self.peak = dict(self.totals)
+        self._in_optimizer = False
+        self._handles: list = []
+        self._params: list[torch.nn.Parameter] = []
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            # Under inference_mode, composite ops (cross_entropy, linear) reach the mode whole and
-            # their inner allocations (cross_entropy's log-softmax) would be invisible: decompose
-            # them with the tracker re-entered so every allocation is seen.
-            if torch.is_inference_mode_enabled() and getattr(func, "namespace", "") == "aten" and _decomposable(func):
-                with self:
-                    out = func.decompose(*args, **(kwargs or {}))
-                if out is not NotImplemented:
-                    return out
-            return super().__torch_dispatch__(func, types, args, kwargs)
+    # -- bookkeeping ----------------------------------------------------------------------
+    def _add(self, t: torch.Tensor, category: str) -> None:
+        st = _storage(t)
+        key = id(st)
+        entry = self._live.get(key)
+        if entry is not None:
+            if category in ("params", "grads", "optimizer", "buffers", "inputs") and entry[0] != category:
+                self.totals[entry[0]] -= entry[1]
+                self.totals[category] += entry[1]
+                entry[0] = category
+            return
+        nbytes = st.nbytes()
+        self._live[key] = [category, nbytes]
+        self.totals[category] += nbytes
+        self.total += nbytes
+        weakref.finalize(st, self._free, key)
+        if self.total > self.peak_total:
+            self.peak_total = self.total
+            self.peak = dict(self.totals)
 
-        def _update_peak_stats(self, peak_state) -> None:
-            # Only the device-wide peak is needed; the per-module bookkeeping the base class does
-            # on every op costs O(modules) and dominates trace time on deep models.
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap["Total"]:
-                    self._peak_mem[dev] = snap["Total"]
-                    self._peak_mem_snap[dev] = dict(snap)
+    def _free(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self.totals[entry[0]] -= entry[1]
+            self.total -= entry[1]
 
-        def reset_peak(self) -> None:
-            self._peak_mem = {}
-            self._peak_mem_snap = {}
+    def track(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, inputs=()) -> None:
+        """Register what exists before the step: parameters, buffers, optimizer state, the batch."""
+        self._params = [p for p in model.parameters()]
+        for p in self._params:
+            self._add(p, "params")
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        for b in model.buffers():
+            self._add(b, "buffers")
+        for t in inputs:
+            self._add(t, "inputs")
+        if optimizer is not None:
+            self._tag_optimizer(optimizer)
 
-        def peak_by_category(self) -> dict[str, int]:
-            """Bytes per trainplan category at the peak since the last reset (all devices summed)."""
-            out: dict[str, int] = {}
-            for snap in self.get_tracker_snapshot("peak").values():
-                for key, val in snap.items():
-                    if key == "Total":
-                        continue
-                    name = CATEGORY.get(getattr(key, "value", key), str(key))
-                    out[name] = out.get(name, 0) + val
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if p.grad is not None:
+            self._add(p.grad, "grads")
+
+    def _tag_optimizer(self, optimizer) -> None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    self._add(v, "optimizer")
+
+    def reset_peak(self) -> None:
+        self.peak_total = self.total
+        self.peak = dict(self.totals)
+
+    def peak_by_category(self) -> dict[str, int]:
+        return dict(self.peak)
+
+    # -- dispatch ---------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(getattr(t, "__name__", "") == "DTensor" for t in types):
+            return NotImplemented  # let DTensor desugar into local ops, which come back here
+        if torch.is_inference_mode_enabled() and _decomposable(func):
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        category = "optimizer" if self._in_optimizer else "activations"
+        tree_map_only(torch.Tensor, lambda t: self._add(t, category), out)
+        return out
+
+    def __enter__(self):
+        self._depth = getattr(self, "_depth", 0) + 1
+        if self._depth > 1:  # re-entered to decompose an op: hooks and patches are already in place
+            return super().__enter__()
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        def pre(optimizer, args, kwargs):
+            for p in self._params:  # FSDP assigns sharded grads without accumulate-grad hooks
+                if p.grad is not None:
+                    self._add(p.grad, "grads")
+            self._in_optimizer = True
+
+        def post(optimizer, args, kwargs):
+            self._in_optimizer = False
+            self._tag_optimizer(optimizer)
+
+        self._handles += [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+        # FSDP2 frees and re-allocates unsharded parameters by resizing their storage in place,
+        # which no dispatch mode sees: follow UntypedStorage.resize_ directly.
+        original = self._orig_resize = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(st, size):
+            out = original(st, size)
+            entry = tracker._live.get(id(st))
+            if entry is None and size > 0:
+                tracker._live[id(st)] = entry = ["activations", 0]
+                weakref.finalize(st, tracker._free, id(st))
+            if entry is not None and entry[1] != st.nbytes():
+                delta = st.nbytes() - entry[1]
+                entry[1] += delta
+                tracker.totals[entry[0]] += delta
+                tracker.total += delta
+                if tracker.total > tracker.peak_total:
+                    tracker.peak_total = tracker.total
+                    tracker.peak = dict(tracker.totals)
             return out
 
-    return PhaseTracker
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
 
-
-def mem_tracker():
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    return _phase_tracker_class(MemTracker)()
-
-
-def fsdp_mem_tracker(model: nn.Module, optimizer: torch.optim.Optimizer):
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    cls = _phase_tracker_class(FSDPMemTracker)
-    return cls(model, optimizer)
-
-
-def new_iteration(tracker) -> None:
-    """MemTracker refuses a module's second forward unless its module stats are cleared."""
-    tracker.reset_mod_stats()
+    def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth > 0:
+            return super().__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._orig_resize
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        return super().__exit__(*exc)
 
 
 @contextlib.contextmanager
 def fake_process_group(world_size: int) -> Iterator[None]:
     """A single-process fake process group of `world_size` ranks (no communication happens)."""
     import torch.distributed as dist
+    import torch.distributed._tools.fake_collectives  # noqa: F401  (fake-mode kernels for collectives)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():

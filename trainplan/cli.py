@@ -42,7 +42,7 @@ CONFIG_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--tp", "parallel.tp", {"type": int, "help": "tensor-parallel degree"}),
     ("--pp", "parallel.pp", {"type": int, "help": "pipeline-parallel degree (1F1B)"}),
     ("--optimizer", "optim.name", {"help": "adamw | adamw-8bit | sgd | sgd-momentum | adafactor"}),
-    ("--attention", "memory.attention", {"help": "sdpa | eager"}),
+    ("--attention", "memory.attention", {"help": "auto | sdpa | eager"}),
     ("--lora-r", "lora.r", {"type": int, "help": "LoRA rank"}),
 )
 SWITCHES = (

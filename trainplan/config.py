@@ -19,7 +19,7 @@ PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16")
 OPTIMIZERS = ("adamw", "adamw-8bit", "sgd", "sgd-momentum", "adafactor")
 OPTIM_IMPLS = ("auto", "foreach", "fused", "for-loop")
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-grad-op")
-ATTENTIONS = ("sdpa", "eager")
+ATTENTIONS = ("auto", "sdpa", "eager")
 
 
 def _choice(section: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -122,7 +122,7 @@ class ParallelConfig:
 @dataclass(kw_only=True)
 class MemoryConfig:
     activation_checkpointing: bool = False
-    attention: str = "sdpa"
+    attention: str = "auto"  # auto: sdpa where transformers supports it for the model, else eager
 
     def __post_init__(self) -> None:
         _choice("memory", "attention", self.attention, ATTENTIONS)

@@ -136,6 +136,12 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
     # q, k after rotary: under autocast cos/sin are fp32 (they follow the fp32 hidden states), so
     # q_embed is fp32 and SDPA casts it back; the bf16 casts are what SDPA saves.
     qk_bytes = cb if ctx.autocast or spec.model_type == "gpt2" else rb
+    # A fused qkv_proj (Phi-3) is split by slicing: V stays a view of the whole projection output,
+    # so saving V keeps all of it (q and k are rotated into new tensors).
+    if spec.fused_qkv and spec.model_type != "gpt2":
+        value_saved = SavedTensor(name="qkv_proj.output (kept by the value view)", nbytes=t * (q_dim + 2 * kv_dim) * cb)
+    else:
+        value_saved = SavedTensor(name="sdpa.value", nbytes=t * kv_dim * cb)
     if ctx.attention == "eager":
         s = ctx.seq
         scores = ctx.batch * heads * s * s
@@ -160,7 +166,7 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
         out += [
             SavedTensor(name="sdpa.query", nbytes=t * q_dim * qk_bytes),
             SavedTensor(name="sdpa.key", nbytes=t * kv_dim * qk_bytes),
-            SavedTensor(name="sdpa.value", nbytes=t * kv_dim * cb),
+            value_saved,
             SavedTensor(name="sdpa.output", nbytes=t * q_dim * cb),
             SavedTensor(name="sdpa.logsumexp (fp32)", nbytes=ctx.batch * heads * ctx.seq * FP32),
         ]

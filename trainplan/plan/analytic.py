@@ -45,6 +45,10 @@ class Resolved:
     batch: ResolvedBatch
 
     @property
+    def attention(self) -> str:
+        return self.spec.attention(self.cfg.memory.attention)
+
+    @property
     def training(self) -> bool:
         return self.cfg.mode != "inference"
 
@@ -87,6 +91,7 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
                     f"{target!r} matches no linear layer of {spec.name}",
                     "its linear layers are " + ", ".join(sorted(known)),
                 )
+    spec.attention(cfg.memory.attention)  # refuses sdpa where transformers has none
     dims = build_parallel_dims(cfg.parallel, len(devices), spec)
     batch = resolve_batch(cfg.batch, dims.dp)
     return Resolved(cfg=cfg, spec=spec, precision=prec, devices=devices, dims=dims, batch=batch)
@@ -267,12 +272,13 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     if fsdp:
         units = [sum(_tp_numel(t, tp) for t in held if t.layer == i) for i in layers]
         root = sum(_tp_numel(t, tp) for t in held if t.layer is None)
-        unit = max(units + [root])
         if dims.strategy == "zero3":
-            copies_fwd = copies_bwd = 2 * unit * cb
+            # The root unit (embedding, final norm, head) stays gathered from the first layer to the
+            # loss; each decoder layer is gathered for its own forward and backward.
+            copies_fwd = copies_bwd = (root + max(units, default=0)) * cb
             explain["weight_copies"] = (
-                f"FSDP all-gathers the current and the prefetched unit in "
-                f"{prec.compute_dtype}: 2 x {unit / 1e6:,.1f}M params"
+                f"FSDP keeps the root unit ({root / 1e6:,.1f}M params) and one decoder layer "
+                f"({max(units, default=0) / 1e6:,.1f}M) all-gathered in {prec.compute_dtype}"
             )
         else:
             copies_fwd = copies_bwd = n_held * cb
@@ -365,7 +371,7 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         lora_r=cfg.lora.r,
         lora_dropout=cfg.lora.dropout,
         adapter_bytes=4,
-        attention=cfg.memory.attention,
+        attention=r.attention,
         cpu=cpu,
         dropout_active=r.training,
         tp=tp,
@@ -377,13 +383,15 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     comm_fwd = comm_bwd = 0
     if dims.pp > 1:
         comm_fwd = comm_bwd = 2 * ctx.tokens * spec.hidden_size * residual
+    comm_end = comm_bwd
     if dims.strategy == "zero3":
-        unit_grads = max(units + [root]) * prec.grad_bytes if full else 0
-        comm_bwd += unit_grads
+        # the unsharded gradient of a layer before its reduce-scatter: only once layers run backward
+        unit_grads = max(units, default=0) * prec.grad_bytes if full else 0
+        comm_end += unit_grads
         if unit_grads:
             explain["comm_buffers"] = "the unsharded gradient of one FSDP unit before its reduce-scatter"
     elif dims.strategy == "zero2" and full:
-        comm_bwd += min(ZERO2_BUCKET_BYTES, grads * shard_g)
+        comm_end += min(ZERO2_BUCKET_BYTES, grads * shard_g)
         explain["comm_buffers"] = "one 25 MiB gradient bucket being reduced"
 
     if not r.training:
@@ -399,7 +407,7 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     layer_in = ctx.tokens * spec.hidden_size * residual
     if cfg.memory.activation_checkpointing:
         act_fwd = in_flight * (len(layer_list) * layer_in + A.total(head_saved))
-        act_bwd = act_fwd + A.total(per_layer)  # one layer recomputed at a time
+        act_bwd = act_fwd  # recomputation starts after the loss's backward; see backward_end
         explain["activations"] = (
             f"checkpointing keeps each layer's input ({gib(layer_in)}) x {len(layer_list)} "
             f"layers x {in_flight} micro-batch(es) in flight, plus one layer recomputed in "
@@ -487,10 +495,20 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         "optimizer": opt,
         "activations": first_layer_bwd + in_flight * step_inputs,
         "buffers": buffers,
-        "comm_buffers": comm_bwd,
+        "comm_buffers": comm_end,
     }
-    if sum(backward_end.values()) > sum(phases["backward"].values()):
-        phases["backward"] = backward_end
+    candidates = [phases["backward"], backward_end]
+    if cfg.memory.activation_checkpointing and layer_list:
+        # Checkpointing: the top layer is recomputed while every layer's kept input still exists.
+        top_layer = dict(backward_end)
+        top_layer["gradients"] = g_live_fwd + (first_grads if full and last else 0)
+        top_layer["adapter"] = adapter_live + (adapter_g if persistent_grads else 0)
+        top_layer["weight_copies"] = copies_bwd
+        top_layer["activations"] = (
+            first_layer_bwd + in_flight * step_inputs + in_flight * (len(layer_list) - 1) * layer_in
+        )
+        candidates.append(top_layer)
+    phases["backward"] = max(candidates, key=lambda c: sum(c.values()))
     phases["optimizer"] = {
         "weights": weights,
         "adapter": adapter_w + adapter_o + adapter_g,
@@ -720,7 +738,7 @@ def plan(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Ledger:
         "pp": r.dims.pp,
         "optimizer": cfg.optim.name,
         "activation_checkpointing": cfg.memory.activation_checkpointing,
-        "attention": cfg.memory.attention,
+        "attention": r.attention,
         "lora": (
             {
                 "r": cfg.lora.r,
@@ -737,7 +755,7 @@ def plan(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Ledger:
         f"{b.grad_accum_steps} x dp {b.dp} = global {b.global_batch_size}, seq {b.seq_len}, "
         f"{r.dims.describe()}"
         + (", activation checkpointing" if cfg.memory.activation_checkpointing else "")
-        + f", {cfg.memory.attention} attention"
+        + f", {r.attention} attention"
     )
     notes = [
         "Analytic estimate from closed-form terms (docs/memory-model.md); `trainplan trace` runs the real "

@@ -11,6 +11,7 @@ arithmetic; the output says which rows were traced and which derived.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
 from dataclasses import dataclass, field
@@ -69,22 +70,19 @@ def _check_traceable(r: analytic.Resolved) -> None:
         )
 
 
-def _to_components(
-    raw: dict[str, int], *, adapter_params: int, adapter_states: int, states: int, lora: bool, phase: str
-) -> dict[str, int]:
-    """Tracker categories -> ledger components. LoRA's params/grads/states are exactly known,
-    so they move to the adapter row; the optimizer phase's excess over the states is temp."""
+def _to_components(raw: dict[str, int], *, adapter_params: int, states: int, lora: bool, phase: str) -> dict[str, int]:
+    """Tracker categories -> ledger components. LoRA's params/grads/states are exactly known, so
+    they move to the adapter row; in the optimizer phase, what exceeds the states is temporary.
+    FSDP's all-gathered parameters and reduce-scatter buffers count as activations here."""
     out = {
         "weights": raw.get("params", 0),
         "buffers": raw.get("buffers", 0),
         "gradients": raw.get("grads", 0),
         "optimizer": raw.get("optimizer", 0),
-        "activations": raw.get("activations", 0) + raw.get("temporaries", 0) + raw.get("inputs", 0),
-        "weight_copies": raw.get("unsharded_params", 0) + raw.get("all_gather", 0),
-        "comm_buffers": raw.get("unsharded_grads", 0) + raw.get("reduce_scatter", 0),
+        "activations": raw.get("activations", 0) + raw.get("inputs", 0),
     }
     if phase == "optimizer":
-        out["optimizer_temp"] = max(0, out["optimizer"] - (adapter_states if lora else states))
+        out["optimizer_temp"] = max(0, out["optimizer"] - states)
         out["optimizer"] -= out["optimizer_temp"]
     if lora:
         out["weights"] -= adapter_params
@@ -92,10 +90,18 @@ def _to_components(
     return out
 
 
-def trace(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[TraceResult, analytic.Resolved]:
-    """Trace one warm-up and one measured step on fake tensors; per-phase peaks of the measured one."""
+def trace(
+    cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False
+) -> tuple[TraceResult, analytic.Resolved]:
+    """Trace one warm-up and one measured step on fake tensors; per-phase peaks of the measured one.
+
+    real=True runs the very same step on real, randomly initialized CPU tensors instead: the
+    validation that fake tracing allocates what a real run allocates (small models only).
+    """
     r = analytic.resolve(cfg, spec)
     _check_traceable(r)
+    if real and r.dims.shards_params:
+        raise TrainplanError("trace: real-tensor validation runs one process; FSDP needs torchrun")
     from trainplan import _torch_private as P
 
     P.check_torch_version()
@@ -115,8 +121,6 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[TraceResult, a
 
     def run_traced(tracker, model, optimizer, micro_batches, tokens):
         def on_phase(name: str) -> None:
-            if name in ("forward", "inference"):
-                P.new_iteration(tracker)  # each micro-batch re-enters the modules
             if current[0] is not None and measuring[0]:
                 snap = tracker.peak_by_category()
                 old = phases.get(current[0])
@@ -126,7 +130,8 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[TraceResult, a
             current[0] = None if name == "end" else name
 
         measuring = [False]
-        with tracker, P.unpacked_sequences():
+        gpu_kernels = P.cuda_kernels() if target == "cuda" and not real else contextlib.nullcontext()
+        with tracker, P.unpacked_sequences(), gpu_kernels:
             for iteration in range(2):  # warm-up creates optimizer state; AC's first peak is spurious
                 measuring[0] = iteration == 1
                 if cfg.mode == "inference":
@@ -144,8 +149,12 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[TraceResult, a
 
     def body(mesh=None):
         model = build.build_model(r.spec, cfg, prec, dims=dims if fsdp else None, mesh=mesh)
-        with P.fake_mode():
-            build.allocate(model, "cpu")
+        with contextlib.nullcontext() if real else P.fake_mode():
+            if real:
+                torch.manual_seed(0)
+                build.materialize(model, "cpu")
+            else:
+                build.allocate(model, "cpu")
             ids = torch.randint(0, r.spec.vocab_size, (batch.micro_batch_size, batch.seq_len))
             # labels are their own tensor, as in training (prompt tokens masked with -100)
             micro_batches = [{"input_ids": ids, "labels": ids.clone()} for _ in range(micro_steps)]
@@ -154,12 +163,8 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[TraceResult, a
                 optimizer = step.build_optimizer(
                     model, cfg.optim.name, cfg.optim.implementation, cfg.optim.lr, cfg.optim.weight_decay, target
                 )
-            if fsdp:
-                tracker = P.fsdp_mem_tracker(model, optimizer)
-                tracker.track_inputs(tuple(t for mb in micro_batches for t in mb.values()))
-            else:
-                tracker = P.mem_tracker()
-                tracker.track_external(model, optimizer, *(t for mb in micro_batches for t in mb.values()))
+            tracker = P.StorageTracker()
+            tracker.track(model, optimizer, [t for mb in micro_batches for t in mb.values()])
             tokens = micro_steps * batch.micro_batch_size * (batch.seq_len - 1) * world
             run_traced(tracker, model, optimizer, micro_batches, tokens)
             trainable = [p for p in model.parameters() if p.requires_grad]
@@ -186,14 +191,13 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None) -> tuple[TraceResult, a
 
     lora = cfg.mode == "lora"
     comps = {
-        ph: _to_components(
-            raw, adapter_params=adapter_params, adapter_states=states, states=states, lora=lora, phase=ph
-        )
+        ph: _to_components(raw, adapter_params=adapter_params, states=states, lora=lora, phase=ph)
         for ph, raw in phases.items()
     }
     rows = {c: "traced" for ph in comps.values() for c in ph}
     notes = [
-        f"traced on fake CPU tensors: {'FSDP rank 0 of ' + str(world) if fsdp else 'one rank'}, "
+        f"traced on {'real' if real else 'fake'} CPU tensors: "
+        f"{'FSDP rank 0 of ' + str(world) if fsdp else 'one rank'}, "
         f"{micro_steps} micro-batch(es) per step, measured on the second step"
     ]
     if not fsdp and dims.strategy in ("ddp", "zero1", "zero2") and cfg.mode != "inference":

@@ -39,7 +39,7 @@ def hf_config(spec: ModelSpec, cfg: RunConfig):
     if not spec.config:
         raise TrainplanError(f"model.source: {spec.name} carries no transformers config to build from")
     hf = transformers.CONFIG_MAPPING[spec.config["model_type"]](**spec.config)
-    hf._attn_implementation = cfg.memory.attention
+    hf._attn_implementation = spec.attention(cfg.memory.attention)
     hf.use_cache = cfg.mode == "inference"
     return hf
 
@@ -110,7 +110,8 @@ def build_model(
         )
     model = apply_mode(model, cfg)
     if cfg.memory.activation_checkpointing and cfg.mode != "inference":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.mode != "inference":
         model.train()
     if dims is not None and dims.shards_params:

@@ -81,6 +81,25 @@ class ModelSpec:
 
     # ---- module layout -------------------------------------------------------------
     @property
+    def supports_sdpa(self) -> bool:
+        """transformers routes Gemma-2 (attention soft-capping) through eager attention only."""
+        return self.model_type != "gemma2"
+
+    def attention(self, requested: str) -> str:
+        """The attention implementation that will run for a requested one (auto | sdpa | eager)."""
+        from trainplan.errors import ConfigError
+
+        if requested == "auto":
+            return "sdpa" if self.supports_sdpa else "eager"
+        if requested == "sdpa" and not self.supports_sdpa:
+            raise ConfigError(
+                "memory.attention",
+                f"transformers has no SDPA path for {self.model_type}",
+                'use memory.attention = "eager" (or "auto")',
+            )
+        return requested
+
+    @property
     def q_dim(self) -> int:
         return self.num_heads * self.head_dim
 

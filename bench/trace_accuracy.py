@@ -1,0 +1,150 @@
+"""Analytic vs traced peak, per device, over a matrix of real-size configurations.
+
+Run: .venv/bin/python bench/trace_accuracy.py [--quick] [--out docs/trace-accuracy.md]
+
+Each row traces the real transformers model on fake tensors (`trainplan trace`) in its own
+subprocess (a fresh process per trace: FSDP's fake process group is process-global) and compares
+the peak allocated bytes with the analytic plan. Goal: |analytic - traced| <= 3% of traced.
+Also records each trace's wall time and max RSS (goal: <= 60 s, <= 2 GiB for 8B models).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# (family label, preset, mode, micro-batch, seq, activation checkpointing, devices, strategy)
+MATRIX = [
+    ("Llama", "Llama-3.1-8B", "full", 1, 4096, False, "H100-80GB", "ddp"),
+    ("Llama", "Llama-3.1-8B", "full", 1, 4096, True, "H100-80GB", "ddp"),
+    ("Llama", "Llama-3.1-8B", "lora", 4, 512, False, "H100-80GB", "ddp"),
+    ("Llama", "Llama-3.1-8B", "inference", 4, 4096, False, "H100-80GB", "ddp"),
+    ("Llama", "Llama-3.1-8B", "full", 1, 4096, True, "8xH100-80GB", "zero3"),
+    ("Llama", "Llama-3.2-1B", "full", 4, 512, False, "H100-80GB", "ddp"),
+    ("Llama", "Llama-3.2-1B", "lora", 1, 4096, True, "H100-80GB", "ddp"),
+    ("Qwen2", "Qwen2.5-7B", "full", 1, 512, False, "H100-80GB", "ddp"),
+    ("Qwen2", "Qwen2.5-7B", "lora", 1, 4096, True, "H100-80GB", "ddp"),
+    ("Qwen2", "Qwen2.5-0.5B", "full", 4, 4096, False, "H100-80GB", "ddp"),
+    ("Qwen2", "Qwen2.5-0.5B", "inference", 1, 512, False, "H100-80GB", "ddp"),
+    ("Qwen2", "Qwen2.5-7B", "full", 4, 512, False, "8xH100-80GB", "zero3"),
+    ("Mistral", "Mistral-7B-v0.3", "full", 4, 512, True, "H100-80GB", "ddp"),
+    ("Mistral", "Mistral-7B-v0.3", "lora", 1, 4096, False, "H100-80GB", "ddp"),
+    ("Mixtral", "Mixtral-8x7B", "lora", 1, 512, False, "H200-141GB", "ddp"),
+    ("Mixtral", "Mixtral-8x7B", "inference", 1, 4096, False, "H200-141GB", "ddp"),
+    ("Gemma-2", "Gemma-2-9B", "full", 1, 512, False, "H100-80GB", "ddp"),
+    ("Gemma-2", "Gemma-2-9B", "lora", 4, 512, True, "H100-80GB", "ddp"),
+    ("Gemma-2", "Gemma-2-9B", "inference", 1, 4096, False, "H100-80GB", "ddp"),
+    ("Phi-3", "Phi-3-mini-4k", "full", 1, 4096, False, "H100-80GB", "ddp"),
+    ("Phi-3", "Phi-3-mini-4k", "lora", 4, 512, False, "H100-80GB", "ddp"),
+    ("Phi-3", "Phi-3-mini-4k", "full", 4, 512, True, "8xH100-80GB", "zero3"),
+    ("GPT-2", "GPT-2", "full", 4, 512, False, "H100-80GB", "ddp"),
+    ("GPT-2", "GPT-2", "full", 1, 1024, True, "H100-80GB", "ddp"),
+    ("GPT-2", "GPT-2", "inference", 4, 1024, False, "H100-80GB", "ddp"),
+    ("GPT-2", "GPT-2", "lora", 4, 512, False, "8xH100-80GB", "zero3"),
+]
+QUICK = [0, 2, 3, 4, 9, 22]
+
+
+def lora_targets(preset: str) -> str:
+    return {"Phi-3-mini-4k": "qkv_proj,o_proj", "GPT-2": "c_attn"}.get(preset, "q_proj,v_proj")
+
+
+def run_row(row) -> dict:
+    family, preset, mode, micro, seq, ac, gpus, strategy = row
+    args = [
+        sys.executable,
+        "-m",
+        "trainplan",
+        "trace",
+        "--model",
+        preset,
+        "--mode",
+        mode,
+        "--micro-batch",
+        str(micro),
+        "--seq",
+        str(seq),
+        "--gpus",
+        gpus,
+        "--strategy",
+        strategy,
+        "--json",
+    ]
+    if ac:
+        args.append("--checkpointing")
+    if mode == "lora":
+        args += ["--lora-targets", lora_targets(preset)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(args, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    try:
+        cmp = json.loads(proc.stdout)["comparison"]
+    except (json.JSONDecodeError, KeyError):
+        return {"row": row, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
+    a, t = cmp["analytic_peak_bytes"], cmp["traced_peak_bytes"]
+    return {
+        "row": row,
+        "analytic": a,
+        "traced": t,
+        "diff": (a - t) / t,
+        "trace_s": cmp["seconds"],
+        "wall_s": wall,
+        "rss": cmp["max_rss_bytes"],
+    }
+
+
+def table(results: list[dict]) -> str:
+    gib = 2**30
+    lines = [
+        "| family | model | mode | micro-batch | seq | AC | devices | analytic GiB | traced GiB | diff | trace s "
+        "| max RSS MiB |",
+        "|---|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        family, preset, mode, micro, seq, ac, gpus, strategy = r["row"]
+        dev = gpus + (f" {strategy}" if gpus.startswith("8x") else "")
+        head = f"| {family} | {preset} | {mode} | {micro} | {seq} | {'on' if ac else 'off'} | {dev} |"
+        if "error" in r:
+            lines.append(head + f" error: {r['error']} | | | | |")
+            continue
+        flag = "" if abs(r["diff"]) <= 0.03 else " **miss**"
+        lines.append(
+            head + f" {r['analytic'] / gib:.2f} | {r['traced'] / gib:.2f} | {r['diff'] * 100:+.2f}%{flag} | "
+            f"{r['trace_s']:.1f} | {r['rss'] / 2**20:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="6 rows instead of the full matrix")
+    ap.add_argument("--out", help="write the Markdown table here")
+    args = ap.parse_args()
+    rows = [MATRIX[i] for i in QUICK] if args.quick else MATRIX
+    results = []
+    for row in rows:
+        res = run_row(row)
+        results.append(res)
+        status = res.get("error") or f"{res['diff'] * 100:+.2f}% in {res['trace_s']:.1f} s"
+        print(f"{row[1]:16s} {row[2]:9s} b{row[3]} s{row[4]} ac={row[5]!s:5s} {row[6]:12s} {status}", flush=True)
+    ok = [r for r in results if "error" not in r]
+    text = table(results)
+    diffs = [abs(r["diff"]) * 100 for r in ok]
+    summary = (
+        f"{len(ok)}/{len(results)} traced; |diff| median {statistics.median(diffs):.2f}%, max {max(diffs):.2f}%; "
+        f"{sum(d <= 3 for d in diffs)} rows within 3%; trace time median "
+        f"{statistics.median(r['trace_s'] for r in ok):.1f} s, max {max(r['trace_s'] for r in ok):.1f} s; "
+        f"max RSS {max(r['rss'] for r in ok) / 2**20:.0f} MiB"
+    )
+    print("\n" + text + "\n\n" + summary)
+    if args.out:
+        Path(args.out).write_text(text + "\n\n" + summary + "\n")
+
+
+if __name__ == "__main__":
+    main()
