@@ -110,8 +110,10 @@ def build_model(
         )
     model = apply_mode(model, cfg)
     if cfg.memory.activation_checkpointing and cfg.mode != "inference":
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.mode != "inference":
         model.train()
     if dims is not None and dims.shards_params:
