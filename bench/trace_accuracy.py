@@ -120,6 +120,12 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="6 rows instead of the full matrix")
@@ -143,7 +149,17 @@ def main() -> None:
     )
     print("\n" + text + "\n\n" + summary)
     if args.out:
-        Path(args.out).write_text(text + "\n\n" + summary + "\n")
+        header = (
+            "# Analytic vs traced peak per device\n\n"
+            "Reproduce: `.venv/bin/python bench/trace_accuracy.py --out docs/trace-accuracy.md` "
+            f"({time.strftime('%Y-%m-%d')}, 2-core CPU machine, torch {_torch_version()}).\n\n"
+            "Each row traces the real transformers model on fake tensors (`trainplan trace`: a warm-up and a "
+            "measured step; GPU targets traced with CUDA's kernel semantics) and compares its peak allocated "
+            "bytes on rank 0 with the analytic plan's (runtime and allocator reserve excluded from both). "
+            "Goal: |analytic - traced| <= 3% of traced. 'trace s' is the trace's own time; the process adds "
+            "~2 s of imports.\n\n"
+        )
+        Path(args.out).write_text(header + text + "\n\n" + summary + "\n")
 
 
 if __name__ == "__main__":

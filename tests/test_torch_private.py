@@ -1,0 +1,70 @@
+"""The adapter around private torch/transformers internals: version range, tracker accounting."""
+
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trainplan import _torch_private as P  # noqa: E402
+from trainplan.errors import TrainplanError  # noqa: E402
+
+
+def test_installed_torch_is_in_the_tested_range():
+    P.check_torch_version()  # raises outside TESTED_TORCH
+
+
+@pytest.mark.parametrize("version", ["2.7.1", "3.0.0", "1.13.1+cu117"])
+def test_versions_outside_the_range_fail_loudly(version):
+    with pytest.raises(TrainplanError, match=f"torch {re.escape(version)} is outside the range"):
+        P.check_torch_version(version)
+
+
+def test_tracker_counts_storages_from_creation_to_release():
+    tracker = P.StorageTracker()
+    with tracker:
+        a = torch.empty(1000)  # 4000 bytes
+        b = torch.empty(500, dtype=torch.float16)  # 1000 bytes
+        view = a[:10]  # a view allocates nothing
+        assert tracker.total == 5000
+        del a, view
+        assert tracker.total == 1000
+        del b
+    assert tracker.total == 0 and tracker.peak_total == 5000
+
+
+def test_tracker_follows_storage_resize_like_fsdp_does():
+    tracker = P.StorageTracker()
+    with tracker:
+        t = torch.empty(256)
+        t.untyped_storage().resize_(0)
+        assert tracker.total == 0
+        t.untyped_storage().resize_(2048)
+        assert tracker.total == 2048
+    assert torch.UntypedStorage.resize_ is tracker._orig_resize  # restored
+
+
+def test_tracker_sees_inside_composite_ops_under_inference_mode():
+    logits, target = torch.randn(64, 1000), torch.randint(0, 1000, (64,))
+    tracker = P.StorageTracker()
+    with torch.inference_mode(), tracker:
+        torch.nn.functional.cross_entropy(logits, target)
+    assert tracker.peak_total >= 64 * 1000 * 4  # log_softmax's output, inside cross_entropy
+
+
+def test_patches_are_undone():
+    import torch.nn.functional as F
+    import transformers.masking_utils as masking
+
+    dropout, sdpa, packed = F.dropout, F.scaled_dot_product_attention, masking.find_packed_sequence_indices
+    with P.cuda_kernels(), P.unpacked_sequences():
+        assert F.dropout is not dropout and masking.find_packed_sequence_indices is not packed
+    assert (F.dropout, F.scaled_dot_product_attention, masking.find_packed_sequence_indices) == (dropout, sdpa, packed)
+
+
+def test_cuda_dropout_saves_a_bool_mask():
+    x = torch.randn(8, 8, requires_grad=True)
+    saved = []
+    with P.cuda_kernels(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        torch.nn.functional.dropout(x, 0.1, True)
+    assert [t.dtype for t in saved] == [torch.bool]
