@@ -188,11 +188,60 @@ def _trace_run(args: argparse.Namespace) -> int:
     return ledger.exit_code
 
 
+# ---- train --------------------------------------------------------------------------------
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    add_config_args(p)
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
+    p.add_argument("--data", default=None, help='training text: "default" (Python docs), .txt, dir of .txt, .jsonl')
+    p.add_argument("--output-dir", default=None, help="where record.json goes (train.output_dir)")
+
+
+def _train_run(args: argparse.Namespace) -> int:
+    import warnings
+
+    import transformers
+
+    from trainplan.run import dist, loop
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+
+    for flag, key in (("steps", "train.steps"), ("data", "data.source"), ("output_dir", "train.output_dir")):
+        if getattr(args, flag) is not None:
+            args.set.insert(0, f"{key}={getattr(args, flag)!r}" if flag != "steps" else f"{key}={args.steps}")
+    record = loop.run(config_from_args(args))
+    env = record.pop("_env")
+    if env.is_main:
+        before, after = record["eval_before"], record["eval_after"]
+        steps = len(record["steps"])
+        print(
+            f"held-out loss {before['loss']:.4f} -> {after['loss']:.4f}, perplexity {before['perplexity']:.2f} -> "
+            f"{after['perplexity']:.2f}, token accuracy {before['token_accuracy']:.3f} -> "
+            f"{after['token_accuracy']:.3f}; {steps} steps in {record.get('train_seconds', 0):.1f} s "
+            f"(wall {record['wall_seconds']:.1f} s)"
+        )
+        print(
+            f"contract ({record['contract']['mode']}): {'PASS' if record['contract']['passed'] else 'FAIL'} - "
+            f"{record['contract']['detail']}"
+        )
+        print(f"record: {Path(record['config']['train']['output_dir']) / 'record.json'}")
+    return dist.finish(env, 0 if record["contract"]["passed"] else 1)
+
+
 COMMANDS: dict[str, Command] = {
     "plan": Command(
         "per-device memory ledger: will it fit, on each device, and why (exit 0 fits, 1 not, 2 bad input)",
         _plan_args,
         _plan_run,
+    ),
+    "train": Command(
+        "run the job for real: full, lora, qlora (CUDA) or inference; single process or under torchrun",
+        _train_args,
+        _train_run,
     ),
     "trace": Command(
         "the exact plan: run the real model step on fake tensors and compare it with the analytic ledger",

@@ -47,13 +47,59 @@ def _fraction(section: str, name: str, value: Any, *, top: float = 1) -> None:
         )
 
 
+INITS = ("auto", "pretrained", "random")
+SCHEDULES = ("constant", "cosine")
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     source: str = "default"  # "default" (embedded SmolLM2-135M), preset, HF dir, config.json, .gguf
+    init: str = "auto"  # auto: pretrained weights for HF dirs and GGUF files, random for presets/config.json
+    cache_dir: str = "~/.cache/trainplan"  # GGUF files are converted once to safetensors here
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source.strip():
             raise ConfigError("model.source", "is empty", "name a preset, an HF directory, a config.json or a .gguf")
+        _choice("model", "init", self.init, INITS)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    source: str = "default"  # default: the Python docs every CPython ships; or .txt, a dir of .txt, .jsonl
+    eval_fraction: float = 0.1  # share of documents held out for evaluation
+
+    def __post_init__(self) -> None:
+        _fraction("data", "eval_fraction", self.eval_fraction)
+        if self.eval_fraction == 0:
+            raise ConfigError("data.eval_fraction", "is 0: quality needs held-out data", "set it to e.g. 0.1")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 20  # optimizer steps
+    seed: int = 0
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    max_grad_norm: float = 1.0
+    eval_every: int = 0  # 0: evaluate before and after only
+    eval_batches: int = 8  # micro-batches of held-out data per evaluation; 0: the whole split
+    output_dir: str = "runs/latest"
+
+    def __post_init__(self) -> None:
+        _positive_int("train", "steps", self.steps)
+        for name in ("seed", "warmup_steps", "eval_every", "eval_batches"):
+            _positive_int("train", name, getattr(self, name), minimum=0)
+        _choice("train", "schedule", self.schedule, SCHEDULES)
+        if (
+            isinstance(self.max_grad_norm, bool)
+            or not isinstance(self.max_grad_norm, int | float)
+            or self.max_grad_norm <= 0
+        ):
+            raise ConfigError(
+                "train.max_grad_norm",
+                f"must be positive (got {self.max_grad_norm!r})",
+                "set train.max_grad_norm, e.g. 1.0",
+            )
 
 
 @dataclass(kw_only=True)
@@ -157,6 +203,8 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
         _choice("run", "mode", self.mode, MODES)
@@ -174,6 +222,8 @@ _SECTION_TYPES = {
     "parallel": ParallelConfig,
     "memory": MemoryConfig,
     "hardware": HardwareConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
 }
 _TOP_KEYS = ("mode", "precision")
 

@@ -50,12 +50,15 @@ def train_step(
     max_grad_norm: float | None = 1.0,
     on_phase: Callable[[str], None] = lambda phase: None,
     token_count: int | None = None,
+    grad_scale: float = 1.0,
+    scheduler=None,
 ) -> StepResult:
     """Accumulate gradients over `micro_batches`, then clip and step.
 
     The loss is normalised by the tokens of the whole accumulation window (`token_count`,
     summed over data-parallel ranks by the caller), not per micro-batch, so accumulation
-    matches one big batch.
+    matches one big batch. Data-parallel gradient averaging divides by the world size, so the
+    caller passes grad_scale=world to keep the gradient of sum(token losses) / global tokens.
     """
     tokens = token_count if token_count is not None else sum(target_tokens(mb) for mb in micro_batches)
     total = None
@@ -64,7 +67,8 @@ def train_step(
         with autocast(prec, device_type):
             loss = model(input_ids=mb["input_ids"], labels=mb["labels"], num_items_in_batch=tokens).loss
         on_phase("backward")
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        scaled = loss * grad_scale if grad_scale != 1.0 else loss
+        (scaler.scale(scaled) if scaler is not None else scaled).backward()
         total = loss.detach() if total is None else total + loss.detach()
         del loss
     on_phase("optimizer")
@@ -77,6 +81,8 @@ def train_step(
         scaler.update()
     else:
         optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     on_phase("end")
     return StepResult(loss=total, grad_norm=norm, tokens=tokens)
@@ -99,7 +105,14 @@ def eval_forward(
 
 
 def build_optimizer(
-    model: nn.Module, name: str, impl: str, lr: float, weight_decay: float, device_type: str
+    model: nn.Module,
+    name: str,
+    impl: str,
+    lr: float,
+    weight_decay: float,
+    device_type: str,
+    *,
+    zero1: bool = False,
 ) -> torch.optim.Optimizer:
     """The optimizer the plan assumed: `impl` auto means torch's own default for the device."""
     from trainplan.errors import TrainplanError
@@ -114,6 +127,12 @@ def build_optimizer(
         flags = {"fused": True}
     elif impl == "for-loop":
         flags = {"foreach": False}
+    if zero1 and name == "adamw":  # ZeRO-1: each rank keeps the states of its share of the parameters
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            params, optimizer_class=torch.optim.AdamW, lr=lr, weight_decay=weight_decay, **flags
+        )
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **flags)
     if name in ("sgd", "sgd-momentum"):

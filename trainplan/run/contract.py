@@ -1,0 +1,73 @@
+"""The mode contract, checked after every run.
+
+| mode      | contract                                                   |
+|-----------|------------------------------------------------------------|
+| lora      | base weights bitwise unchanged; every adapter tensor changed |
+| full      | every trainable tensor changed                              |
+| inference | nothing changed; no gradient exists                         |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A CPU copy of every parameter (the local shard under FSDP)."""
+    return {n: _local(p).detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+
+
+@dataclass(frozen=True)
+class ContractResult:
+    mode: str
+    passed: bool
+    detail: str
+    changed: int
+    unchanged: int
+
+    def to_json(self) -> dict:
+        return {
+            "mode": self.mode,
+            "passed": self.passed,
+            "detail": self.detail,
+            "changed": self.changed,
+            "unchanged": self.unchanged,
+        }
+
+
+def check(mode: str, model: nn.Module, before: dict[str, torch.Tensor], *, optimizer=None) -> ContractResult:
+    after = {n: _local(p).detach().cpu() for n, p in model.named_parameters()}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    changed = {n for n in after if not torch.equal(after[n], before[n])}
+    if mode == "inference":
+        grads = [n for n, p in model.named_parameters() if p.grad is not None]
+        ok = not changed and not grads and optimizer is None
+        detail = (
+            "no parameter changed, no gradient, no optimizer"
+            if ok
+            else f"{len(changed)} changed, {len(grads)} with gradients, optimizer {'present' if optimizer else 'absent'}"
+        )
+    elif mode in ("lora", "qlora"):
+        base_changed = sorted(changed - trainable)
+        adapters_still = sorted(trainable - changed)
+        ok = not base_changed and not adapters_still and bool(trainable)
+        detail = (
+            f"base bitwise unchanged ({len(after) - len(trainable)} tensors); all {len(trainable)} adapter "
+            "tensors changed"
+            if ok
+            else f"base tensors changed: {base_changed[:3]}; adapter tensors unchanged: {adapters_still[:3]}"
+        )
+    else:
+        unchanged = sorted(trainable - changed)
+        ok = not unchanged and bool(trainable)
+        detail = f"all {len(trainable)} trainable tensors changed" if ok else f"unchanged: {unchanged[:3]}"
+    return ContractResult(
+        mode=mode, passed=ok, detail=detail, changed=len(changed), unchanged=len(after) - len(changed)
+    )

@@ -1,0 +1,70 @@
+"""torch.distributed set-up for torchrun: gloo on CPU, NCCL on GPU; DDP, ZeRO-1 and FSDP2."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return t
+        out = t.detach().to(self.device, torch.float64 if self.device.type == "cpu" else torch.float32).clone()
+        dist.all_reduce(out)
+        return out.cpu()
+
+
+def init() -> DistEnv:
+    """Join the torchrun job if there is one (WORLD_SIZE > 1), else a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return DistEnv(rank=rank, world=world, local_rank=local, device=device)
+
+
+def finish(env: DistEnv, code: int) -> int:
+    """Leave the process group. A gloo rank can abort at interpreter exit after a clean
+    destroy_process_group, so a multi-process run ends its ranks with os._exit."""
+    if env.world > 1 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def wrap(model: nn.Module, strategy: str, env: DistEnv) -> nn.Module:
+    """DDP for ddp/zero1 (ZeRO-1 shards only the optimizer); FSDP2 is applied by the builder."""
+    if env.world == 1 or strategy in ("zero3", "fsdp-grad-op", "single"):
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [env.local_rank] if env.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+
+
+def mesh(env: DistEnv):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(env.device.type, (env.world,))

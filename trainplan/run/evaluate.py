@@ -1,0 +1,60 @@
+"""The held-out metric: mean token cross-entropy, perplexity and token accuracy.
+
+Evaluation runs under inference_mode in eval mode, forks the RNG and restores train mode, so
+it cannot disturb the training run: losses with and without periodic evaluation are identical.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from trainplan.run.data import IGNORE_INDEX
+from trainplan.run.step import autocast
+from trainplan.spec.precision import Precision
+
+
+def evaluate(
+    model: nn.Module,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    micro_batch: int,
+    max_batches: int,
+    prec: Precision,
+    device: torch.device,
+    all_reduce=None,
+) -> dict:
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    correct = torch.zeros((), dtype=torch.float64)
+    count = torch.zeros((), dtype=torch.float64)
+    n = ids.shape[0] if not max_batches else min(ids.shape[0], max_batches * micro_batch)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
+        for start in range(0, n, micro_batch):
+            x = ids[start : start + micro_batch].to(device)
+            y = labels[start : start + micro_batch].to(device)
+            with autocast(prec, device.type):
+                logits = model(input_ids=x).logits
+            target = y[:, 1:]
+            mask = target != IGNORE_INDEX
+            logits = logits[:, :-1].float()
+            ce = nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+            loss_sum += ce.double().cpu()
+            correct += ((logits.argmax(-1) == target) & mask).sum().double().cpu()
+            count += mask.sum().double().cpu()
+    if all_reduce is not None:
+        loss_sum, correct, count = (all_reduce(t) for t in (loss_sum, correct, count))
+    model.train(was_training)
+    mean = float(loss_sum / count) if count else float("nan")
+    return {
+        "loss": mean,
+        "perplexity": math.exp(mean) if count else float("nan"),
+        "token_accuracy": float(correct / count) if count else float("nan"),
+        "tokens": int(count),
+    }

@@ -1,0 +1,224 @@
+"""The one training loop: set up, evaluate, step, evaluate, check the contract, record.
+
+`trainplan train CONFIG.toml` runs it in one process; `torchrun --nproc_per_node N -m trainplan
+train CONFIG.toml` runs it on N ranks (gloo on CPU, NCCL on GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from trainplan import config as C
+from trainplan.errors import ConfigError
+from trainplan.plan import analytic
+from trainplan.run import contract, data, dist, evaluate, models, step
+
+
+def _device_label(env: dist.DistEnv) -> str:
+    if env.device.type == "cuda":
+        gib = torch.cuda.get_device_properties(env.device).total_memory / 2**30
+        return f"{env.world}x{gib:.0f}GiB"
+    return f"{env.world}xcpu" if env.world > 1 else "cpu"
+
+
+def _schedule(cfg: C.TrainConfig):
+    def factor(i: int) -> float:
+        if i < cfg.warmup_steps:
+            return (i + 1) / (cfg.warmup_steps + 1)
+        if cfg.schedule == "cosine":
+            progress = (i - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return factor
+
+
+def _peak_memory(env: dist.DistEnv) -> dict:
+    if env.device.type == "cuda":
+        out = {
+            "max_allocated_bytes": torch.cuda.max_memory_allocated(env.device),
+            "max_reserved_bytes": torch.cuda.max_memory_reserved(env.device),
+        }
+        torch.cuda.reset_peak_memory_stats(env.device)
+        return out
+    return {"max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def versions() -> dict:
+    import peft
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+    }
+
+
+def prepare(cfg: C.RunConfig, env: dist.DistEnv):
+    """Resolve the config for the devices actually present, then build data and model."""
+    cfg = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, gpus=_device_label(env)))
+    r = analytic.resolve(cfg)
+    if r.dims.tp > 1 or r.dims.pp > 1:
+        raise ConfigError(
+            "parallel.tp",
+            "the training engine runs data parallelism (DDP, ZeRO-1, FSDP2) only",
+            "set parallel.tp = 1 and parallel.pp = 1 for `trainplan train`",
+        )
+    torch.manual_seed(cfg.train.seed)
+    tokenizer = models.load_tokenizer(cfg, r.spec)
+    docs = data.load_documents(cfg.data.source)
+    train_docs, eval_docs = data.split_documents(docs, cfg.data.eval_fraction)
+    seq = r.batch.seq_len
+    if seq > r.spec.max_position_embeddings:
+        raise ConfigError(
+            "batch.seq_len",
+            f"{seq} exceeds the model's context of {r.spec.max_position_embeddings}",
+            f"use batch.seq_len <= {r.spec.max_position_embeddings}",
+        )
+    train_ids, train_labels = data.pack(train_docs, tokenizer, seq, r.spec.vocab_size)
+    eval_ids, eval_labels = data.pack(eval_docs, tokenizer, seq, r.spec.vocab_size)
+    mesh = dist.mesh(env) if r.dims.shards_params and env.world > 1 else None
+    model = models.load_model(cfg, r.spec, r.precision, env.device, dims=r.dims if mesh else None, mesh=mesh)
+    return cfg, r, tokenizer, (train_docs, eval_docs), (train_ids, train_labels), (eval_ids, eval_labels), model
+
+
+def run(cfg: C.RunConfig, *, quiet: bool = False) -> dict:
+    """Run the job described by cfg; returns the run record (also written to train.output_dir)."""
+    env = dist.init()
+    t_start = time.perf_counter()
+    cfg, r, tokenizer, (train_docs, eval_docs), (train_ids, train_labels), (eval_ids, eval_labels), model = prepare(
+        cfg, env
+    )
+    prec, batch, mode = r.precision, r.batch, cfg.mode
+    out_dir = Path(cfg.train.output_dir)
+    model = dist.wrap(model, r.dims.strategy, env) if mode != "inference" else model
+    before_params = contract.snapshot(model)
+    all_reduce = env.all_reduce_sum if env.world > 1 else None
+
+    def run_eval():
+        return evaluate.evaluate(
+            model,
+            eval_ids,
+            eval_labels,
+            micro_batch=batch.micro_batch_size,
+            max_batches=cfg.train.eval_batches,
+            prec=prec,
+            device=env.device,
+            all_reduce=all_reduce,
+        )
+
+    record = {
+        "schema": "trainplan.run/1",
+        "config": cfg.to_dict(),
+        "versions": versions(),
+        "hardware": {"device": str(env.device), "world_size": env.world, "devices": _device_label(env)},
+        "seed": cfg.train.seed,
+        "data": {
+            "source": cfg.data.source,
+            "fingerprint": data.fingerprint(train_docs + eval_docs),
+            "train_documents": len(train_docs),
+            "eval_documents": len(eval_docs),
+            "train_sequences": int(train_ids.shape[0]),
+            "eval_sequences": int(eval_ids.shape[0]),
+        },
+        "model": r.spec.summary(),
+        "batch": {
+            "micro_batch_size": batch.micro_batch_size,
+            "grad_accum_steps": batch.grad_accum_steps,
+            "global": batch.global_batch_size,
+            "seq_len": batch.seq_len,
+        },
+        "steps": [],
+    }
+    record["eval_before"] = run_eval()
+    optimizer = None
+    if mode == "inference":
+        record["generation"] = _generate(model, tokenizer, env)
+    else:
+        optimizer = step.build_optimizer(
+            model,
+            cfg.optim.name,
+            cfg.optim.implementation,
+            cfg.optim.lr,
+            cfg.optim.weight_decay,
+            env.device.type,
+            zero1=r.dims.strategy == "zero1",
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg.train))
+        scaler = torch.amp.GradScaler(env.device.type) if prec.loss_scaling else None
+        sampler = data.StatefulSampler(train_ids.shape[0], seed=cfg.train.seed, rank=env.rank, world=env.world)
+        t_train = time.perf_counter()
+        for i in range(cfg.train.steps):
+            t0 = time.perf_counter()
+            micro = []
+            for _ in range(batch.grad_accum_steps):
+                idx = sampler.take(batch.micro_batch_size)
+                micro.append({"input_ids": train_ids[idx].to(env.device), "labels": train_labels[idx].to(env.device)})
+            local_tokens = sum(step.target_tokens(mb) for mb in micro)
+            tokens = int(env.all_reduce_sum(torch.tensor(float(local_tokens)))) if env.world > 1 else local_tokens
+            lr = scheduler.get_last_lr()[0]
+            res = step.train_step(
+                model,
+                optimizer,
+                micro,
+                prec=prec,
+                device_type=env.device.type,
+                scaler=scaler,
+                max_grad_norm=cfg.train.max_grad_norm,
+                token_count=tokens,
+                grad_scale=float(env.world),
+                scheduler=scheduler,
+            )
+            loss = float(env.all_reduce_sum(res.loss.float().cpu())) if env.world > 1 else float(res.loss)
+            norm = res.grad_norm.full_tensor() if hasattr(res.grad_norm, "full_tensor") else res.grad_norm
+            dt = time.perf_counter() - t0
+            entry = {
+                "step": i + 1,
+                "loss": loss,
+                "grad_norm": float(norm),
+                "lr": lr,
+                "tokens": tokens,
+                "tokens_per_s": tokens / dt,
+                "seconds": dt,
+                "memory": _peak_memory(env),
+            }
+            record["steps"].append(entry)
+            if cfg.train.eval_every and (i + 1) % cfg.train.eval_every == 0 and i + 1 < cfg.train.steps:
+                entry["eval"] = run_eval()
+            if not quiet and env.is_main and sys.stderr.isatty():
+                mem = entry["memory"].get("max_allocated_bytes", entry["memory"].get("max_rss_bytes", 0)) / 2**30
+                sys.stderr.write(
+                    f"\r[{'#' * int(20 * (i + 1) / cfg.train.steps):20s}] step {i + 1}/"
+                    f"{cfg.train.steps} loss {loss:.4f} {entry['tokens_per_s']:.0f} tok/s {mem:.1f} GiB"
+                )
+        if not quiet and env.is_main and sys.stderr.isatty():
+            sys.stderr.write("\n")
+        record["train_seconds"] = time.perf_counter() - t_train
+        record["sampler"] = sampler.state_dict()
+    record["eval_after"] = run_eval()
+    record["contract"] = contract.check(mode, model, before_params, optimizer=optimizer).to_json()
+    record["wall_seconds"] = time.perf_counter() - t_start
+    if env.is_main:
+        from trainplan.cli import write_atomic
+
+        write_atomic(out_dir / "record.json", json.dumps(record, indent=1))
+    record["_env"] = env
+    return record
+
+
+def _generate(model, tokenizer, env: dist.DistEnv, prompt: str = "def fibonacci(n):", tokens: int = 16) -> dict:
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(env.device)
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=tokens, do_sample=False)
+    return {"prompt": prompt, "completion": tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)}

@@ -1,0 +1,153 @@
+"""Weights and tokenizer for a run: pretrained (HF directory, GGUF converted once to a safetensors
+cache, the embedded default) or random initialization (presets, config.json)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trainplan.config import RunConfig
+from trainplan.errors import ConfigError, TrainplanError
+from trainplan.run import build
+from trainplan.spec.model import ModelSpec, default_gguf_path
+from trainplan.spec.precision import Precision
+
+
+def is_pretrained(cfg: RunConfig) -> bool:
+    source = cfg.model.source
+    pretrained_source = source == "default" or source.endswith(".gguf") or Path(source).is_dir()
+    if cfg.model.init == "pretrained" and not pretrained_source:
+        raise ConfigError(
+            "model.init", f"{source!r} carries no weights", 'use model.init = "random" or a weights source'
+        )
+    return pretrained_source if cfg.model.init == "auto" else cfg.model.init == "pretrained"
+
+
+def _gguf(cfg: RunConfig) -> Path | None:
+    if cfg.model.source == "default":
+        return default_gguf_path()
+    return Path(cfg.model.source) if cfg.model.source.endswith(".gguf") else None
+
+
+def gguf_cache(gguf: Path, cache_dir: str) -> Path:
+    """Dequantize a GGUF file once into a safetensors model directory (written atomically)."""
+    import transformers
+
+    target = Path(cache_dir).expanduser() / f"{gguf.stem}-{gguf.stat().st_size}"
+    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as e:  # transformers raises assorted errors on a corrupt or unsupported file
+        raise ConfigError(
+            "model.source",
+            f"cannot load GGUF {str(gguf)!r} ({type(e).__name__}: {e})".splitlines()[0],
+            "pass a valid GGUF file of a supported architecture",
+        ) from None
+    model.hf_quantizer = None  # the weights are dequantized; nothing is quantized any more
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target
+
+
+def weights_dir(cfg: RunConfig) -> Path | None:
+    gguf = _gguf(cfg)
+    if gguf is not None:
+        return gguf_cache(gguf, cfg.model.cache_dir)
+    path = Path(cfg.model.source)
+    return path if path.is_dir() else None
+
+
+def load_tokenizer(cfg: RunConfig, spec: ModelSpec):
+    """The model's own tokenizer; for random-init presets, the embedded SmolLM2 tokenizer."""
+    import transformers
+
+    directory = weights_dir(cfg) if is_pretrained(cfg) else None
+    if directory is None:
+        directory = gguf_cache(default_gguf_path(), cfg.model.cache_dir)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            "model.source",
+            f"no usable tokenizer in {str(directory)!r} ({e})".splitlines()[0],
+            "the model directory needs its tokenizer files",
+        ) from None
+    if len(tokenizer) > spec.vocab_size:
+        raise ConfigError(
+            "model.source",
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {spec.vocab_size}",
+            "use the tokenizer that belongs to the model (or a larger vocab_size)",
+        )
+    return tokenizer
+
+
+def load_model(
+    cfg: RunConfig, spec: ModelSpec, prec: Precision, device: torch.device, *, dims=None, mesh=None
+) -> nn.Module:
+    """Build through run/build.py, then load pretrained weights or initialize randomly."""
+    from safetensors.torch import load_file
+
+    model = build.build_model(spec, cfg, prec, dims=dims, mesh=mesh)
+    if not is_pretrained(cfg):
+        return build.materialize(model, device)
+    directory = weights_dir(cfg)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(
+            "model.source",
+            f"{str(directory)!r} has no .safetensors weights",
+            "save the model with safe_serialization=True",
+        )
+    build.materialize(model, device)  # rotary buffers and adapters; the weights are overwritten below
+    state = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f), device=str(device)))
+        except Exception as e:  # safetensors raises on truncated or corrupt files
+            raise ConfigError(
+                "model.source",
+                f"corrupt weights file {str(f)!r} ({e})".splitlines()[0],
+                "re-download or re-convert the model",
+            ) from None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    # PEFT wraps targeted linears: their weight is `<module>.base_layer.weight`; adapters are new.
+    own = {k: v for k, v in base.state_dict().items() if "lora_" not in k}
+    source_name = {k: k.replace(".base_layer", "") for k in own}
+    missing = [
+        k
+        for k, src in source_name.items()
+        if src not in state and not (spec.tie_word_embeddings and src == "lm_head.weight")
+    ]
+    if missing:
+        raise ConfigError(
+            "model.source",
+            f"weights are missing {len(missing)} tensors, e.g. {source_name[missing[0]]}",
+            "the directory does not hold this architecture's weights",
+        )
+    with torch.no_grad():
+        for name, tensor in own.items():
+            src = state.get(source_name[name])
+            if src is None:
+                continue
+            if src.shape != tensor.shape:
+                raise TrainplanError(
+                    f"model.source: {source_name[name]} has shape {tuple(src.shape)}, "
+                    f"expected {tuple(tensor.shape)}; the weights belong to another model"
+                )
+            tensor.copy_(src)
+    return model
