@@ -52,7 +52,7 @@ def check(mode: str, model: nn.Module, before: dict[str, torch.Tensor], *, optim
         detail = (
             "no parameter changed, no gradient, no optimizer"
             if ok
-            else f"{len(changed)} changed, {len(grads)} with gradients, optimizer {'present' if optimizer else 'absent'}"
+            else f"{len(changed)} changed, {len(grads)} with gradients, optimizer {optimizer is not None}"
         )
     elif mode in ("lora", "qlora"):
         base_changed = sorted(changed - trainable)

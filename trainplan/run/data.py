@@ -106,7 +106,7 @@ def tokenize(doc: Document, tokenizer) -> tuple[list[int], list[int]]:
         ids, labels = [], []
         for i in range(len(doc.messages)):
             prefix = tokenizer.apply_chat_template(list(doc.messages[: i + 1]), tokenize=True)
-            prefix = list(prefix["input_ids"] if isinstance(prefix, dict) else prefix)
+            prefix = list(prefix["input_ids"] if hasattr(prefix, "keys") else prefix)
             new = prefix[len(ids) :]
             ids += new
             assistant = doc.messages[i].get("role") == "assistant"
@@ -126,9 +126,9 @@ def pack(docs: list[Document], tokenizer, seq_len: int, vocab_size: int) -> tupl
     ids: list[int] = []
     labels: list[int] = []
     for doc in docs:
-        i, l = tokenize(doc, tokenizer)
-        ids += i + ([eos] if eos is not None else [])
-        labels += l + ([eos] if eos is not None else [])
+        doc_ids, doc_labels = tokenize(doc, tokenizer)
+        ids += doc_ids + ([eos] if eos is not None else [])
+        labels += doc_labels + ([eos] if eos is not None else [])
     if ids and max(ids) >= vocab_size:
         raise ConfigError(
             "model.tokenizer",
@@ -161,6 +161,9 @@ class StatefulSampler:
         self.n, self.seed, self.rank, self.world = n, seed, rank, world
         self.epoch, self.position = 0, 0
         self._order = self._permutation()
+        if not self._order:
+            raise ConfigError("batch", f"{n} training sequences cannot feed {world} data-parallel ranks",
+                              "add data or lower batch.seq_len")
 
     def _permutation(self) -> list[int]:
         g = torch.Generator().manual_seed(self.seed + self.epoch)

@@ -1,0 +1,25 @@
+import json
+
+import pytest
+
+# A tiny Llama that holds the embedded SmolLM2 tokenizer's 49,152-token vocabulary.
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 49152, "max_position_embeddings": 256,
+        "tie_word_embeddings": True}
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """A tiny model config, a small text corpus (six documents), and a base set of overrides."""
+    root = tmp_path_factory.mktemp("tiny")
+    (root / "config.json").write_text(json.dumps(TINY))
+    corpus = root / "corpus"
+    corpus.mkdir()
+    import pydoc_data.topics as topics
+
+    for name in sorted(topics.topics)[:6]:
+        (corpus / f"{name}.txt").write_text(topics.topics[name][:6000])
+    base = [f"model.source={root / 'config.json'}", f"data.source={corpus}", "data.eval_fraction=0.34",
+            "batch.seq_len=32", "batch.micro_batch_size=4", "train.steps=3", "train.eval_batches=2",
+            "optim.lr=1e-3", "precision=fp32"]
+    return root, base

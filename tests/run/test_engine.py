@@ -1,0 +1,131 @@
+"""The training engine on tiny models, one process: modes, batch arithmetic, evaluation, record."""
+
+import json
+
+import pytest
+
+from trainplan import config as C
+from trainplan.errors import ConfigError
+from trainplan.plan import analytic
+from trainplan.run import build, data, loop, step
+
+torch = pytest.importorskip("torch")
+
+
+def run(tiny_run, tmp_path, *extra):
+    root, base = tiny_run
+    cfg = C.load(None, [*base, f"train.output_dir={tmp_path}", *extra])
+    record = loop.run(cfg, quiet=True)
+    record.pop("_env")
+    return record
+
+
+@pytest.mark.parametrize("mode", ["full", "lora", "inference"])
+def test_each_mode_runs_and_keeps_its_contract(tiny_run, tmp_path, mode):
+    record = run(tiny_run, tmp_path, f"mode={mode}")
+    assert record["contract"]["passed"], record["contract"]["detail"]
+    on_disk = json.loads((tmp_path / "record.json").read_text())
+    assert on_disk["contract"] == record["contract"]
+    if mode == "inference":
+        assert record["steps"] == [] and "generation" in record
+        assert record["eval_before"] == record["eval_after"]
+    else:
+        assert len(record["steps"]) == 3
+        assert record["eval_after"]["loss"] < record["eval_before"]["loss"]
+
+
+def test_run_record_holds_what_reproduces_the_run(tiny_run, tmp_path):
+    record = run(tiny_run, tmp_path, "mode=lora")
+    assert set(record["versions"]) == {"python", "torch", "transformers", "peft"}
+    assert record["config"]["mode"] == "lora" and record["seed"] == 0
+    assert record["hardware"]["world_size"] == 1
+    assert len(record["data"]["fingerprint"]) == 16
+    first = record["steps"][0]
+    assert set(first) >= {"loss", "grad_norm", "lr", "tokens_per_s", "memory"}
+    assert first["memory"]["max_rss_bytes"] > 0
+    for key in ("loss", "perplexity", "token_accuracy"):
+        assert key in record["eval_before"] and key in record["eval_after"]
+    assert record["train_seconds"] > 0
+
+
+def test_evaluation_does_not_disturb_training(tiny_run, tmp_path):
+    # LoRA dropout draws random numbers during training; evaluation must not shift them.
+    plain = run(tiny_run, tmp_path / "a", "mode=lora", "lora.dropout=0.1", "train.eval_every=0")
+    evaled = run(tiny_run, tmp_path / "b", "mode=lora", "lora.dropout=0.1", "train.eval_every=1")
+    assert [s["loss"] for s in plain["steps"]] == [s["loss"] for s in evaled["steps"]]
+    assert "eval" in evaled["steps"][0]
+
+
+def test_gradient_accumulation_equals_one_bigger_batch(tiny_run):
+    root, base = tiny_run
+    cfg = C.load(None, [*base])
+    r = analytic.resolve(cfg)
+    ids = torch.randint(0, 49152, (4, 32))
+    labels = ids.clone()
+    labels[:2, :10] = data.IGNORE_INDEX  # uneven token counts: per-micro-batch means would differ
+
+    def after_one_step(micro_batches):
+        torch.manual_seed(0)
+        model = build.materialize(build.build_model(r.spec, cfg, r.precision), "cpu")
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        res = step.train_step(model, opt, micro_batches, prec=r.precision, device_type="cpu", max_grad_norm=None)
+        return res.loss, [p.detach().clone() for p in model.parameters()]
+
+    big_loss, big = after_one_step([{"input_ids": ids, "labels": labels}])
+    acc_loss, acc = after_one_step([{"input_ids": ids[:2], "labels": labels[:2]},
+                                    {"input_ids": ids[2:], "labels": labels[2:]}])
+    assert torch.allclose(big_loss, acc_loss, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(big, acc, strict=True))
+
+
+def test_split_is_by_document(tiny_run):
+    docs = data.load_documents("default")
+    train, held_out = data.split_documents(docs, 0.1)
+    assert len(docs) == 79 and len(held_out) == 8
+    assert not {d.name for d in train} & {d.name for d in held_out}
+    assert data.split_documents(list(reversed(docs)), 0.1)[1] == held_out  # stable, whatever the order
+
+
+def test_prompt_completion_and_chat_mask_the_loss(tiny_run, tmp_path):
+    from trainplan.run import models
+
+    root, base = tiny_run
+    cfg = C.load(None, base)
+    tok = models.load_tokenizer(cfg, analytic.resolve(cfg).spec)
+    ids, labels = data.tokenize(data.Document(name="x", prompt="Q: 2+2?", completion=" A: 4"), tok)
+    n_prompt = len(tok("Q: 2+2?", add_special_tokens=False)["input_ids"])
+    assert labels[:n_prompt] == [data.IGNORE_INDEX] * n_prompt and labels[n_prompt:] == ids[n_prompt:]
+    chat = data.Document(name="c", messages=({"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "hello there"}))
+    ids, labels = data.tokenize(chat, tok)
+    learned = tok.decode([i for i, lab in zip(ids, labels, strict=True) if lab != data.IGNORE_INDEX])
+    masked = tok.decode([i for i, lab in zip(ids, labels, strict=True) if lab == data.IGNORE_INDEX])
+    assert "hello there" in learned and "hello there" not in masked and "hi" in masked
+
+
+def test_jsonl_formats_and_their_errors(tmp_path):
+    good = tmp_path / "d.jsonl"
+    good.write_text('{"text": "a"}\n{"prompt": "p", "completion": "c"}\n{"messages": [{"role": "user", "content": "x"}]}\n')
+    assert [bool(d.text) for d in data.load_documents(str(good))] == [True, False, False]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n{"txt": "b"}\n')
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:2: has keys \['txt'\]"):
+        data.load_documents(str(bad))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   \n")
+    with pytest.raises(ConfigError, match="holds no non-empty document"):
+        data.load_documents(str(empty))
+
+
+def test_sampler_resumes_where_it_stopped():
+    a = data.StatefulSampler(10, seed=3)
+    first = a.take(7)
+    b = data.StatefulSampler(10, seed=3)
+    b.load_state_dict(a.state_dict())
+    assert a.take(9) == b.take(9)  # across the epoch boundary too
+    assert sorted(first + data.StatefulSampler(10, seed=3).take(10)[7:]) == list(range(10))
+
+
+def test_sequence_longer_than_the_context_is_refused(tiny_run, tmp_path):
+    with pytest.raises(ConfigError, match=r"batch\.seq_len: 512 exceeds the model's context of 256"):
+        run(tiny_run, tmp_path, "batch.seq_len=512")
