@@ -3,9 +3,17 @@ import json
 import pytest
 
 # A tiny Llama that holds the embedded SmolLM2 tokenizer's 49,152-token vocabulary.
-TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 49152, "max_position_embeddings": 256,
-        "tie_word_embeddings": True}
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 49152,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +27,27 @@ def tiny_run(tmp_path_factory):
 
     for name in sorted(topics.topics)[:6]:
         (corpus / f"{name}.txt").write_text(topics.topics[name][:6000])
-    base = [f"model.source={root / 'config.json'}", f"data.source={corpus}", "data.eval_fraction=0.34",
-            "batch.seq_len=32", "batch.micro_batch_size=4", "train.steps=3", "train.eval_batches=2",
-            "optim.lr=1e-3", "precision=fp32"]
+    # the same tiny model with saved weights, so runs on different rank counts start identical
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY))
+    model.save_pretrained(root / "weights")
+    from trainplan.run.models import gguf_cache
+    from trainplan.spec.model import default_gguf_path
+
+    tokenizer_dir = gguf_cache(default_gguf_path(), "~/.cache/trainplan")
+    transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(root / "weights")
+    base = [
+        f"model.source={root / 'config.json'}",
+        f"data.source={corpus}",
+        "data.eval_fraction=0.34",
+        "batch.seq_len=32",
+        "batch.micro_batch_size=4",
+        "train.steps=3",
+        "train.eval_batches=2",
+        "optim.lr=1e-3",
+        "precision=fp32",
+    ]
     return root, base

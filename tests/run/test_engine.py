@@ -72,8 +72,9 @@ def test_gradient_accumulation_equals_one_bigger_batch(tiny_run):
         return res.loss, [p.detach().clone() for p in model.parameters()]
 
     big_loss, big = after_one_step([{"input_ids": ids, "labels": labels}])
-    acc_loss, acc = after_one_step([{"input_ids": ids[:2], "labels": labels[:2]},
-                                    {"input_ids": ids[2:], "labels": labels[2:]}])
+    acc_loss, acc = after_one_step(
+        [{"input_ids": ids[:2], "labels": labels[:2]}, {"input_ids": ids[2:], "labels": labels[2:]}]
+    )
     assert torch.allclose(big_loss, acc_loss, atol=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(big, acc, strict=True))
 
@@ -95,8 +96,9 @@ def test_prompt_completion_and_chat_mask_the_loss(tiny_run, tmp_path):
     ids, labels = data.tokenize(data.Document(name="x", prompt="Q: 2+2?", completion=" A: 4"), tok)
     n_prompt = len(tok("Q: 2+2?", add_special_tokens=False)["input_ids"])
     assert labels[:n_prompt] == [data.IGNORE_INDEX] * n_prompt and labels[n_prompt:] == ids[n_prompt:]
-    chat = data.Document(name="c", messages=({"role": "user", "content": "hi"},
-                                              {"role": "assistant", "content": "hello there"}))
+    chat = data.Document(
+        name="c", messages=({"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"})
+    )
     ids, labels = data.tokenize(chat, tok)
     learned = tok.decode([i for i, lab in zip(ids, labels, strict=True) if lab != data.IGNORE_INDEX])
     masked = tok.decode([i for i, lab in zip(ids, labels, strict=True) if lab == data.IGNORE_INDEX])
@@ -105,7 +107,9 @@ def test_prompt_completion_and_chat_mask_the_loss(tiny_run, tmp_path):
 
 def test_jsonl_formats_and_their_errors(tmp_path):
     good = tmp_path / "d.jsonl"
-    good.write_text('{"text": "a"}\n{"prompt": "p", "completion": "c"}\n{"messages": [{"role": "user", "content": "x"}]}\n')
+    good.write_text(
+        '{"text": "a"}\n{"prompt": "p", "completion": "c"}\n{"messages": [{"role": "user", "content": "x"}]}\n'
+    )
     assert [bool(d.text) for d in data.load_documents(str(good))] == [True, False, False]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\n{"txt": "b"}\n')

@@ -162,8 +162,11 @@ class StatefulSampler:
         self.epoch, self.position = 0, 0
         self._order = self._permutation()
         if not self._order:
-            raise ConfigError("batch", f"{n} training sequences cannot feed {world} data-parallel ranks",
-                              "add data or lower batch.seq_len")
+            raise ConfigError(
+                "batch",
+                f"{n} training sequences cannot feed {world} data-parallel ranks",
+                "add data or lower batch.seq_len",
+            )
 
     def _permutation(self) -> list[int]:
         g = torch.Generator().manual_seed(self.seed + self.epoch)

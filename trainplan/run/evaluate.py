@@ -26,14 +26,18 @@ def evaluate(
     prec: Precision,
     device: torch.device,
     all_reduce=None,
+    training_run: bool = True,
 ) -> dict:
+    """training_run: evaluate under no_grad, not inference_mode: FSDP all-gathers parameters
+    during the forward, and inference tensors cannot be updated in place by the next step."""
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64)
     correct = torch.zeros((), dtype=torch.float64)
     count = torch.zeros((), dtype=torch.float64)
     n = ids.shape[0] if not max_batches else min(ids.shape[0], max_batches * micro_batch)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
+    grad_free = torch.no_grad() if training_run else torch.inference_mode()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), grad_free:
         for start in range(0, n, micro_batch):
             x = ids[start : start + micro_batch].to(device)
             y = labels[start : start + micro_batch].to(device)

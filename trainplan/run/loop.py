@@ -116,6 +116,7 @@ def run(cfg: C.RunConfig, *, quiet: bool = False) -> dict:
             prec=prec,
             device=env.device,
             all_reduce=all_reduce,
+            training_run=mode != "inference",
         )
 
     record = {

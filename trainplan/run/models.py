@@ -101,6 +101,7 @@ def load_model(
 ) -> nn.Module:
     """Build through run/build.py, then load pretrained weights or initialize randomly."""
     from safetensors.torch import load_file
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     model = build.build_model(spec, cfg, prec, dims=dims, mesh=mesh)
     if not is_pretrained(cfg):
@@ -149,5 +150,7 @@ def load_model(
                     f"model.source: {source_name[name]} has shape {tuple(src.shape)}, "
                     f"expected {tuple(tensor.shape)}; the weights belong to another model"
                 )
+            if isinstance(tensor, DTensor):  # FSDP2 shard: keep this rank's slice of the full tensor
+                src = distribute_tensor(src.to(tensor.dtype), tensor.device_mesh, tensor.placements)
             tensor.copy_(src)
     return model
