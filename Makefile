@@ -16,7 +16,8 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/trainplan plan
+	$(VENV)/bin/trainplan plan examples/demo-lora.toml
+	$(VENV)/bin/trainplan train examples/demo-lora.toml
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
@@ -26,3 +27,5 @@ lint: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) bench/plan_speed.py
+	$(PY) bench/trace_accuracy.py --quick
+	$(PY) bench/train_throughput.py
