@@ -32,8 +32,18 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    cfg = C.load(None, ["mode=lora", "precision=fp32", "batch.seq_len=256", "batch.micro_batch_size=4",
-                        "hardware.gpus=cpu", "optim.lr=1e-3", "lora.dropout=0.05"])
+    cfg = C.load(
+        None,
+        [
+            "mode=lora",
+            "precision=fp32",
+            "batch.seq_len=256",
+            "batch.micro_batch_size=4",
+            "hardware.gpus=cpu",
+            "optim.lr=1e-3",
+            "lora.dropout=0.05",
+        ],
+    )
     r = analytic.resolve(cfg)
     tokenizer = models.load_tokenizer(cfg, r.spec)
     train_docs, _ = data.split_documents(data.load_documents("default"), 0.1)
@@ -47,7 +57,7 @@ def main() -> None:
         opt = step.build_optimizer(model, "adamw", "auto", 1e-3, 0.0, "cpu")
         times = []
         for i in range(args.steps):
-            batch = [{"input_ids": ids[i * micro:(i + 1) * micro], "labels": labels[i * micro:(i + 1) * micro]}]
+            batch = [{"input_ids": ids[i * micro : (i + 1) * micro], "labels": labels[i * micro : (i + 1) * micro]}]
             t0 = time.perf_counter()
             step.train_step(model, opt, batch, prec=r.precision, device_type="cpu")
             times.append(time.perf_counter() - t0)
@@ -57,8 +67,12 @@ def main() -> None:
         torch.manual_seed(0)
         directory = models.weights_dir(cfg)
         model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
-        model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05,
-                                                           target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+        model = peft.get_peft_model(
+            model,
+            peft.LoraConfig(
+                r=8, lora_alpha=16, lora_dropout=0.05, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+            ),
+        )
         rows = [{"input_ids": ids[i], "labels": labels[i]} for i in range(args.steps * micro)]
         times: list[float] = []
 
@@ -70,9 +84,19 @@ def main() -> None:
                 times.append(time.perf_counter() - self.t0)
 
         targs = transformers.TrainingArguments(
-            output_dir="/tmp/trainplan-bench-hf", per_device_train_batch_size=micro, max_steps=args.steps,
-            learning_rate=1e-3, report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
-            dataloader_num_workers=0, disable_tqdm=True, lr_scheduler_type="constant", optim="adamw_torch")
+            output_dir="/tmp/trainplan-bench-hf",
+            per_device_train_batch_size=micro,
+            max_steps=args.steps,
+            learning_rate=1e-3,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            use_cpu=True,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+            lr_scheduler_type="constant",
+            optim="adamw_torch",
+        )
         trainer = transformers.Trainer(model=model, args=targs, train_dataset=rows, callbacks=[Timer()])
         trainer.train()
         return times

@@ -133,3 +133,40 @@ def test_sampler_resumes_where_it_stopped():
 def test_sequence_longer_than_the_context_is_refused(tiny_run, tmp_path):
     with pytest.raises(ConfigError, match=r"batch\.seq_len: 512 exceeds the model's context of 256"):
         run(tiny_run, tmp_path, "batch.seq_len=512")
+
+
+TRAIN_BAD_INPUTS = [
+    (["--model", "/nonexistent/model"], "model.source: no such model directory or file '/nonexistent/model'"),
+    (["--data", "/nonexistent.txt"], "data.source: no such file or directory '/nonexistent.txt'"),
+    (["--mode", "lora", "--lora-targets", "qkv"], "lora.target_modules: 'qkv' matches no linear layer"),
+    (["--mode", "qlora"], "run.mode: qlora needs CUDA GPUs"),
+    (["--global-batch", "3", "--micro-batch", "2"], "batch.global_batch_size: 3 is not divisible"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), TRAIN_BAD_INPUTS)
+def test_train_bad_input_is_one_line_and_writes_nothing(tiny_run, tmp_path, args, message):
+    import subprocess
+    import sys
+
+    root, base = tiny_run
+    sets = [x for item in base if not item.startswith(("model.source", "data.source")) for x in ("--set", item)]
+    defaults = [] if "--model" in args else ["--model", str(root / "config.json")]
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-m", "trainplan", "train", *sets, *defaults, *args, "--output-dir", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr[-2000:]
+    assert not out.exists()
+
+
+def test_empty_dataset_is_refused(tiny_run, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("\n")
+    with pytest.raises(ConfigError, match="holds no non-empty document"):
+        run(tiny_run, tmp_path, f"data.source={empty}")

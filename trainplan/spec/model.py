@@ -406,6 +406,12 @@ def load_model_spec(source: str) -> ModelSpec:
         if not path.is_file():
             raise ConfigError("model.source", f"no such file {source!r}", "check the path")
         return from_hf_config(_read_json(path), name=path.stem, where=str(path))
+    if ("/" in source or source.startswith(".")) and not path.exists():
+        raise ConfigError(
+            "model.source",
+            f"no such model directory or file {source!r}",
+            "check the path, or name a preset such as 'Llama-3.1-8B'",
+        )
     by_lower = {n.lower(): n for n in preset_names()}
     canonical = by_lower.get(source.lower(), source)
     return from_hf_config(preset_config(source), name=canonical, where=f"preset {canonical}")
