@@ -75,6 +75,18 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: str = ""  # default: <train.output_dir>/checkpoints
+    every: int = 0  # optimizer steps between checkpoints; 0: none
+    keep_last: int = 2
+    resume: str = ""  # "auto": the newest valid checkpoint in dir; or a checkpoint path
+
+    def __post_init__(self) -> None:
+        _positive_int("checkpoint", "every", self.every, minimum=0)
+        _positive_int("checkpoint", "keep_last", self.keep_last)
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     steps: int = 20  # optimizer steps
     seed: int = 0
@@ -84,10 +96,11 @@ class TrainConfig:
     eval_every: int = 0  # 0: evaluate before and after only
     eval_batches: int = 8  # micro-batches of held-out data per evaluation; 0: the whole split
     output_dir: str = "runs/latest"
+    stop_after: int = 0  # stop after this many steps without changing the schedule (an interruption)
 
     def __post_init__(self) -> None:
         _positive_int("train", "steps", self.steps)
-        for name in ("seed", "warmup_steps", "eval_every", "eval_batches"):
+        for name in ("seed", "warmup_steps", "eval_every", "eval_batches", "stop_after"):
             _positive_int("train", name, getattr(self, name), minimum=0)
         _choice("train", "schedule", self.schedule, SCHEDULES)
         if (
@@ -205,6 +218,7 @@ class RunConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         _choice("run", "mode", self.mode, MODES)
@@ -224,6 +238,7 @@ _SECTION_TYPES = {
     "hardware": HardwareConfig,
     "data": DataConfig,
     "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
 }
 _TOP_KEYS = ("mode", "precision")
 

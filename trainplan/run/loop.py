@@ -20,7 +20,7 @@ import torch
 from trainplan import config as C
 from trainplan.errors import ConfigError
 from trainplan.plan import analytic
-from trainplan.run import contract, data, dist, evaluate, models, step
+from trainplan.run import checkpoint, contract, data, dist, evaluate, models, step
 
 
 def _device_label(env: dist.DistEnv) -> str:
@@ -159,8 +159,10 @@ def run(cfg: C.RunConfig, *, quiet: bool = False) -> dict:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg.train))
         scaler = torch.amp.GradScaler(env.device.type) if prec.loss_scaling else None
         sampler = data.StatefulSampler(train_ids.shape[0], seed=cfg.train.seed, rank=env.rank, world=env.world)
+        ckpt = _Checkpoints(cfg, out_dir, env, r)
+        start, tokens_seen = ckpt.maybe_resume(model, optimizer, scheduler, scaler, sampler, record)
         t_train = time.perf_counter()
-        for i in range(cfg.train.steps):
+        for i in range(start, cfg.train.steps):
             t0 = time.perf_counter()
             micro = []
             for _ in range(batch.grad_accum_steps):
@@ -195,18 +197,24 @@ def run(cfg: C.RunConfig, *, quiet: bool = False) -> dict:
                 "memory": _peak_memory(env),
             }
             record["steps"].append(entry)
+            tokens_seen += tokens
             if cfg.train.eval_every and (i + 1) % cfg.train.eval_every == 0 and i + 1 < cfg.train.steps:
                 entry["eval"] = run_eval()
+            if cfg.checkpoint.every and (i + 1) % cfg.checkpoint.every == 0:
+                ckpt.save(i + 1, model, optimizer, scheduler, scaler, sampler, tokens_seen)
             if not quiet and env.is_main and sys.stderr.isatty():
                 mem = entry["memory"].get("max_allocated_bytes", entry["memory"].get("max_rss_bytes", 0)) / 2**30
                 sys.stderr.write(
                     f"\r[{'#' * int(20 * (i + 1) / cfg.train.steps):20s}] step {i + 1}/"
                     f"{cfg.train.steps} loss {loss:.4f} {entry['tokens_per_s']:.0f} tok/s {mem:.1f} GiB"
                 )
+            if cfg.train.stop_after and i + 1 >= cfg.train.stop_after:
+                break
         if not quiet and env.is_main and sys.stderr.isatty():
             sys.stderr.write("\n")
         record["train_seconds"] = time.perf_counter() - t_train
         record["sampler"] = sampler.state_dict()
+        record["final"] = _fingerprints(model, optimizer, sampler, batch)
     record["eval_after"] = run_eval()
     record["contract"] = contract.check(mode, model, before_params, optimizer=optimizer).to_json()
     record["wall_seconds"] = time.perf_counter() - t_start
@@ -223,3 +231,82 @@ def _generate(model, tokenizer, env: dist.DistEnv, prompt: str = "def fibonacci(
     with torch.inference_mode():
         out = model.generate(ids, max_new_tokens=tokens, do_sample=False)
     return {"prompt": prompt, "completion": tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)}
+
+
+def _fingerprints(model, optimizer, sampler: data.StatefulSampler, batch) -> dict:
+    """What a resumed run must reproduce: weights, optimizer state, and the next batch's samples."""
+    import copy
+
+    base = getattr(model, "module", model)
+    upcoming = copy.deepcopy(sampler).take(batch.micro_batch_size * batch.grad_accum_steps)
+    if not hasattr(optimizer, "consolidate_state_dict"):
+        opt_hash = checkpoint.optimizer_hash(optimizer)
+    else:
+        opt_hash = None  # ZeRO-1 shards the state across ranks
+    return {"weights_hash": checkpoint.tensor_hash(sorted(checkpoint.trainable_state(base).items())),
+            "optimizer_hash": opt_hash, "next_batch": upcoming}
+
+
+class _Checkpoints:
+    """Checkpoint policy for one run: where, how often, and resuming."""
+
+    def __init__(self, cfg: C.RunConfig, out_dir: Path, env: dist.DistEnv, r) -> None:
+        self.cfg, self.env = cfg, env
+        self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
+        if (cfg.checkpoint.every or cfg.checkpoint.resume) and env.world > 1:
+            raise ConfigError("checkpoint", "checkpoints cover single-process runs in this version",
+                              "run without torchrun, or set checkpoint.every = 0 and no resume")
+        self.expect = {
+            "model_fingerprint": _model_fingerprint(r.spec, cfg),
+            "mode": cfg.mode,
+            "compat": _compat(cfg),
+        }
+
+    def save(self, step_no, model, optimizer, scheduler, scaler, sampler, tokens_seen) -> None:
+        state = {**self.expect, "step": step_no, "tokens_seen": tokens_seen, "sampler": sampler.state_dict(),
+                 "config": self.cfg.to_dict()}
+        checkpoint.save(self.root, step=step_no, model=getattr(model, "module", model), optimizer=optimizer,
+                        scheduler=scheduler, scaler=scaler, state=state, keep_last=self.cfg.checkpoint.keep_last)
+
+    def maybe_resume(self, model, optimizer, scheduler, scaler, sampler, record) -> tuple[int, int]:
+        resume = self.cfg.checkpoint.resume
+        if not resume:
+            return 0, 0
+        if resume == "auto":
+            path, skipped = checkpoint.latest_valid(self.root)
+            for name, reason in skipped:
+                print(f"trainplan train: skipped checkpoint {name}: {reason}", file=sys.stderr)
+            record["resume"] = {"skipped": [{"checkpoint": n, "reason": why} for n, why in skipped]}
+            if path is None:
+                record["resume"]["from"] = None
+                return 0, 0
+        else:
+            path = Path(resume)
+            if not path.is_dir():
+                raise ConfigError("checkpoint.resume", f"no checkpoint at {resume!r}",
+                                  'give a step-NNNNNNNN directory or "auto"')
+            record["resume"] = {"skipped": []}
+        state = checkpoint.load(path, model=getattr(model, "module", model), optimizer=optimizer,
+                                scheduler=scheduler, scaler=scaler, expect=self.expect)
+        sampler.load_state_dict(state["sampler"])
+        record["resume"]["from"] = str(path)
+        record["resume"]["step"] = state["step"]
+        return state["step"], state["tokens_seen"]
+
+
+def _model_fingerprint(spec, cfg: C.RunConfig) -> str:
+    import hashlib
+
+    blob = json.dumps({"config": spec.config, "source": cfg.model.source, "init": cfg.model.init}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _compat(cfg: C.RunConfig) -> str:
+    """Settings a resumed run must share with the run that wrote the checkpoint."""
+    import hashlib
+
+    d = cfg.to_dict()
+    keep = {"precision": d["precision"], "lora": d["lora"], "optim": d["optim"], "data": d["data"],
+            "seed": d["train"]["seed"], "seq_len": d["batch"]["seq_len"],
+            "micro_batch_size": d["batch"]["micro_batch_size"], "grad_accum_steps": d["batch"]["grad_accum_steps"]}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,242 @@
+"""Checkpoints that resume the same run: written atomically, verified by checksum, loaded safely.
+
+A checkpoint is a directory `step-NNNNNNNN/` holding:
+
+| part            | what                                                         | format              |
+|-----------------|--------------------------------------------------------------|---------------------|
+| model.safetensors | full mode: every trainable weight; lora: the adapter only   | safetensors         |
+| optimizer.pt    | optimizer state (tensors, numbers)                           | torch.load(weights_only=True) |
+| scheduler.pt    | LR scheduler state                                           | weights_only        |
+| scaler.pt       | GradScaler state (amp-fp16)                                  | weights_only        |
+| rng.pt          | python, numpy, torch CPU and every CUDA generator           | weights_only        |
+| state.json      | step, tokens seen, sampler position, guard state, config     | JSON                |
+| manifest.json   | every part's size and sha256; what the checkpoint holds and lacks | JSON, written last |
+
+It is written to a temporary directory, fsynced, then renamed; it counts only when its manifest
+is complete and every checksum verifies, so a crash mid-write leaves nothing that looks valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from trainplan.errors import ConfigError, TrainplanError
+
+SCHEMA = "trainplan.checkpoint/1"
+PREFIX = "step-"
+
+
+class CheckpointError(TrainplanError):
+    """A checkpoint that cannot be used, with the reason."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint must hold: the trainable ones (full: all; lora: adapters)."""
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {n: t.detach().contiguous().cpu() for n, t in model.state_dict().items() if n in names}
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "python": list(random.getstate()[1]) + [random.getstate()[2] or 0],
+        "python_version": random.getstate()[0],
+        "python_gauss": random.getstate()[2],
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "torch": torch.get_rng_state(),
+        "cuda": [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    mt = tuple(int(x) for x in state["python"][:-1])
+    random.setstate((state["python_version"], mt, state["python_gauss"]))
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
+        torch.cuda.set_rng_state(s, i)
+
+
+def save(root: Path, *, step: int, model: nn.Module, optimizer, scheduler, scaler, state: dict,
+         keep_last: int) -> Path:
+    """Write checkpoint `step` under root atomically; keep the newest `keep_last` valid ones."""
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:08d}"
+    tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    parts = {"model.safetensors": None, "optimizer.pt": optimizer.state_dict(), "scheduler.pt": scheduler.state_dict(),
+             "rng.pt": rng_state()}
+    if scaler is not None:
+        parts["scaler.pt"] = scaler.state_dict()
+    save_file(trainable_state(model), str(tmp / "model.safetensors"))
+    for name, obj in parts.items():
+        if obj is not None:
+            torch.save(obj, tmp / name)
+    (tmp / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
+    files = sorted(p.name for p in tmp.iterdir())
+    for name in files:
+        with open(tmp / name, "rb+") as f:
+            os.fsync(f.fileno())
+    manifest = {
+        "schema": SCHEMA, "step": step, "complete": True,
+        "parts": {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in files},
+        "holds": ["trainable weights", "optimizer state", "LR scheduler", "RNG (python, numpy, torch, cuda)",
+                  "training progress", "data position", "resolved config"] + (["GradScaler"] if scaler else []),
+        "lacks": ["frozen base weights (LoRA: identified by the base fingerprint)"] if state.get("mode") != "full"
+        else [],
+    }
+    with open(tmp / "manifest.json", "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _prune(root, keep_last)
+    return final
+
+
+def validate(path: Path) -> str | None:
+    """None if the checkpoint is complete and every checksum verifies, else the reason."""
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        return "no manifest (incomplete write)"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError:
+        return "manifest is not valid JSON"
+    if manifest.get("schema") != SCHEMA or not manifest.get("complete"):
+        return "manifest is incomplete or of another format"
+    for name, meta in manifest["parts"].items():
+        part = path / name
+        if not part.is_file():
+            return f"part {name} is missing"
+        if part.stat().st_size != meta["bytes"]:
+            return f"part {name} is truncated ({part.stat().st_size} of {meta['bytes']} bytes)"
+        if _sha256(part) != meta["sha256"]:
+            return f"part {name} fails its checksum"
+    return None
+
+
+def _candidates(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)), reverse=True)
+
+
+def latest_valid(root: Path) -> tuple[Path | None, list[tuple[str, str]]]:
+    """The newest valid checkpoint, and the newer ones skipped with their reasons."""
+    skipped = []
+    for path in _candidates(root):
+        reason = validate(path)
+        if reason is None:
+            return path, skipped
+        skipped.append((path.name, reason))
+    return None, skipped
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    valid = [p for p in _candidates(root) if validate(p) is None]
+    for old in valid[keep_last:]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(f".tmp-{PREFIX}*"):  # writes that died: never valid, safe to remove
+        if not stale.name.endswith(f"-{os.getpid()}"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _safe_load(path: Path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"checkpoint: {path.name} holds a pickled payload that would run code "
+                              f"({str(e).splitlines()[0][:120]}); refused") from None
+
+
+def load(path: Path, *, model: nn.Module, optimizer, scheduler, scaler, expect: dict) -> dict:
+    """Load a validated checkpoint into the run's objects; returns its state.json.
+
+    Refuses a checkpoint from another model, mode or incompatible config. Tensors come from
+    safetensors, everything else from torch.load(weights_only=True) mapped to the CPU first, so the
+    optimizer state never passes through the accelerator at full size on top of the live one.
+    """
+    from safetensors.torch import load_file
+
+    reason = validate(path)
+    if reason is not None:
+        raise CheckpointError(f"checkpoint: {path} is not usable: {reason}")
+    state = json.loads((path / "state.json").read_text())
+    for key, what in (("model_fingerprint", "model"), ("mode", "mode"), ("compat", "config")):
+        if state.get(key) != expect.get(key):
+            raise ConfigError("checkpoint.resume", f"{path.name} was written for another {what} "
+                              f"({state.get(key)!r} vs this run's {expect.get(key)!r})",
+                              "resume with the config that wrote it, or start without --resume")
+    tensors = load_file(str(path / "model.safetensors"), device="cpu")
+    own = trainable_state(model)
+    if set(tensors) != set(own):
+        raise ConfigError("checkpoint.resume", f"{path.name} holds other tensors than this model trains",
+                          "resume with the config that wrote it")
+    live = dict(model.state_dict())
+    with torch.no_grad():
+        for name, t in tensors.items():
+            live[name].copy_(t)
+    optimizer.load_state_dict(_safe_load(path / "optimizer.pt"))
+    scheduler.load_state_dict(_safe_load(path / "scheduler.pt"))
+    if scaler is not None:
+        scaler.load_state_dict(_safe_load(path / "scaler.pt"))
+    set_rng_state(_safe_load(path / "rng.pt"))
+    return state
+
+
+def tensor_hash(tensors) -> str:
+    """sha256 over tensors' bytes, in a stable order (for comparing runs)."""
+    h = hashlib.sha256()
+    for name, t in tensors:
+        h.update(name.encode())
+        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() if t.dim() else
+                 t.detach().cpu().reshape(1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def optimizer_hash(optimizer) -> str:
+    state = optimizer.state_dict()["state"]
+    items = []
+    for pid in sorted(state):
+        for key in sorted(state[pid]):
+            value = state[pid][key]
+            if isinstance(value, torch.Tensor):
+                items.append((f"{pid}.{key}", value))
+    return tensor_hash(items)
