@@ -232,6 +232,46 @@ def _train_run(args: argparse.Namespace) -> int:
     return dist.finish(env, 0 if record["contract"]["passed"] else 1)
 
 
+# ---- verify-resume -------------------------------------------------------------------------
+
+
+def _verify_resume_args(p: argparse.ArgumentParser) -> None:
+    add_config_args(p)
+    p.add_argument("--steps", type=int, default=6, help="N: steps of the uninterrupted run")
+    p.add_argument("--at", type=int, default=3, help="k: the interrupted run stops and checkpoints here")
+    p.add_argument("--tolerance", type=float, default=0.0, help="largest allowed per-step deviation; 0 = bitwise")
+    p.add_argument("--workdir", default="runs/verify-resume", help="where the three runs write")
+    p.add_argument("--json", action="store_true")
+
+
+def _verify_resume_run(args: argparse.Namespace) -> int:
+    from trainplan.verify.resume import verify
+
+    config_from_args(args)  # validate before starting three processes
+    passthrough = ([args.config] if args.config else []) + [x for item in args.set for x in ("--set", item)]
+    for flag, key, _ in CONFIG_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            passthrough += ["--set", f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"]
+    if not 0 < args.at < args.steps:
+        raise TrainplanError(f"--at: must be between 1 and {args.steps - 1} (got {args.at}); choose k < N")
+    try:
+        result = verify(passthrough, steps=args.steps, at=args.at, workdir=Path(args.workdir), tolerance=args.tolerance)
+    except RuntimeError as e:
+        raise TrainplanError(f"verify-resume: {e}") from None
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(
+            f"verify-resume: {'PASS' if result['passed'] else 'FAIL'} (N={args.steps}, k={args.at}, "
+            f"tolerance {args.tolerance or 'bitwise'})"
+        )
+        for name, ok in result["checks"].items():
+            print(f"  {'ok  ' if ok else 'FAIL'} {name}")
+        print("  largest per-step deviation: " + ", ".join(f"{k} {v:.3g}" for k, v in result["max_deviation"].items()))
+    return 0 if result["passed"] else 1
+
+
 COMMANDS: dict[str, Command] = {
     "plan": Command(
         "per-device memory ledger: will it fit, on each device, and why (exit 0 fits, 1 not, 2 bad input)",
@@ -242,6 +282,11 @@ COMMANDS: dict[str, Command] = {
         "run the job for real: full, lora, qlora (CUDA) or inference; single process or under torchrun",
         _train_args,
         _train_run,
+    ),
+    "verify-resume": Command(
+        "prove that resuming continues the same run: uninterrupted vs stopped at k and resumed, compared",
+        _verify_resume_args,
+        _verify_resume_run,
     ),
     "trace": Command(
         "the exact plan: run the real model step on fake tensors and compare it with the analytic ledger",

@@ -68,8 +68,12 @@ def rng_state() -> dict:
         "python": list(random.getstate()[1]) + [random.getstate()[2] or 0],
         "python_version": random.getstate()[0],
         "python_gauss": random.getstate()[2],
-        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "numpy": {
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
         "torch": torch.get_rng_state(),
         "cuda": [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())],
     }
@@ -79,15 +83,15 @@ def set_rng_state(state: dict) -> None:
     mt = tuple(int(x) for x in state["python"][:-1])
     random.setstate((state["python_version"], mt, state["python_gauss"]))
     n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
+    np.random.set_state(
+        ("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch"])
     for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
         torch.cuda.set_rng_state(s, i)
 
 
-def save(root: Path, *, step: int, model: nn.Module, optimizer, scheduler, scaler, state: dict,
-         keep_last: int) -> Path:
+def save(root: Path, *, step: int, model: nn.Module, optimizer, scheduler, scaler, state: dict, keep_last: int) -> Path:
     """Write checkpoint `step` under root atomically; keep the newest `keep_last` valid ones."""
     from safetensors.torch import save_file
 
@@ -96,8 +100,12 @@ def save(root: Path, *, step: int, model: nn.Module, optimizer, scheduler, scale
     tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    parts = {"model.safetensors": None, "optimizer.pt": optimizer.state_dict(), "scheduler.pt": scheduler.state_dict(),
-             "rng.pt": rng_state()}
+    parts = {
+        "model.safetensors": None,
+        "optimizer.pt": optimizer.state_dict(),
+        "scheduler.pt": scheduler.state_dict(),
+        "rng.pt": rng_state(),
+    }
     if scaler is not None:
         parts["scaler.pt"] = scaler.state_dict()
     save_file(trainable_state(model), str(tmp / "model.safetensors"))
@@ -110,11 +118,22 @@ def save(root: Path, *, step: int, model: nn.Module, optimizer, scheduler, scale
         with open(tmp / name, "rb+") as f:
             os.fsync(f.fileno())
     manifest = {
-        "schema": SCHEMA, "step": step, "complete": True,
+        "schema": SCHEMA,
+        "step": step,
+        "complete": True,
         "parts": {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in files},
-        "holds": ["trainable weights", "optimizer state", "LR scheduler", "RNG (python, numpy, torch, cuda)",
-                  "training progress", "data position", "resolved config"] + (["GradScaler"] if scaler else []),
-        "lacks": ["frozen base weights (LoRA: identified by the base fingerprint)"] if state.get("mode") != "full"
+        "holds": [
+            "trainable weights",
+            "optimizer state",
+            "LR scheduler",
+            "RNG (python, numpy, torch, cuda)",
+            "training progress",
+            "data position",
+            "resolved config",
+        ]
+        + (["GradScaler"] if scaler else []),
+        "lacks": ["frozen base weights (LoRA: identified by the base fingerprint)"]
+        if state.get("mode") != "full"
         else [],
     }
     with open(tmp / "manifest.json", "w") as f:
@@ -182,8 +201,10 @@ def _safe_load(path: Path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"checkpoint: {path.name} holds a pickled payload that would run code "
-                              f"({str(e).splitlines()[0][:120]}); refused") from None
+        raise CheckpointError(
+            f"checkpoint: {path.name} holds a pickled payload that would run code "
+            f"({str(e).splitlines()[0][:120]}); refused"
+        ) from None
 
 
 def load(path: Path, *, model: nn.Module, optimizer, scheduler, scaler, expect: dict) -> dict:
@@ -201,14 +222,19 @@ def load(path: Path, *, model: nn.Module, optimizer, scheduler, scaler, expect: 
     state = json.loads((path / "state.json").read_text())
     for key, what in (("model_fingerprint", "model"), ("mode", "mode"), ("compat", "config")):
         if state.get(key) != expect.get(key):
-            raise ConfigError("checkpoint.resume", f"{path.name} was written for another {what} "
-                              f"({state.get(key)!r} vs this run's {expect.get(key)!r})",
-                              "resume with the config that wrote it, or start without --resume")
+            raise ConfigError(
+                "checkpoint.resume",
+                f"{path.name} was written for another {what} ({state.get(key)!r} vs this run's {expect.get(key)!r})",
+                "resume with the config that wrote it, or start without --resume",
+            )
     tensors = load_file(str(path / "model.safetensors"), device="cpu")
     own = trainable_state(model)
     if set(tensors) != set(own):
-        raise ConfigError("checkpoint.resume", f"{path.name} holds other tensors than this model trains",
-                          "resume with the config that wrote it")
+        raise ConfigError(
+            "checkpoint.resume",
+            f"{path.name} holds other tensors than this model trains",
+            "resume with the config that wrote it",
+        )
     live = dict(model.state_dict())
     with torch.no_grad():
         for name, t in tensors.items():
@@ -226,8 +252,11 @@ def tensor_hash(tensors) -> str:
     h = hashlib.sha256()
     for name, t in tensors:
         h.update(name.encode())
-        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() if t.dim() else
-                 t.detach().cpu().reshape(1).view(torch.uint8).numpy().tobytes())
+        h.update(
+            t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+            if t.dim()
+            else t.detach().cpu().reshape(1).view(torch.uint8).numpy().tobytes()
+        )
     return h.hexdigest()[:32]
 
 

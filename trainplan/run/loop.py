@@ -243,8 +243,11 @@ def _fingerprints(model, optimizer, sampler: data.StatefulSampler, batch) -> dic
         opt_hash = checkpoint.optimizer_hash(optimizer)
     else:
         opt_hash = None  # ZeRO-1 shards the state across ranks
-    return {"weights_hash": checkpoint.tensor_hash(sorted(checkpoint.trainable_state(base).items())),
-            "optimizer_hash": opt_hash, "next_batch": upcoming}
+    return {
+        "weights_hash": checkpoint.tensor_hash(sorted(checkpoint.trainable_state(base).items())),
+        "optimizer_hash": opt_hash,
+        "next_batch": upcoming,
+    }
 
 
 class _Checkpoints:
@@ -254,8 +257,11 @@ class _Checkpoints:
         self.cfg, self.env = cfg, env
         self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
         if (cfg.checkpoint.every or cfg.checkpoint.resume) and env.world > 1:
-            raise ConfigError("checkpoint", "checkpoints cover single-process runs in this version",
-                              "run without torchrun, or set checkpoint.every = 0 and no resume")
+            raise ConfigError(
+                "checkpoint",
+                "checkpoints cover single-process runs in this version",
+                "run without torchrun, or set checkpoint.every = 0 and no resume",
+            )
         self.expect = {
             "model_fingerprint": _model_fingerprint(r.spec, cfg),
             "mode": cfg.mode,
@@ -263,10 +269,23 @@ class _Checkpoints:
         }
 
     def save(self, step_no, model, optimizer, scheduler, scaler, sampler, tokens_seen) -> None:
-        state = {**self.expect, "step": step_no, "tokens_seen": tokens_seen, "sampler": sampler.state_dict(),
-                 "config": self.cfg.to_dict()}
-        checkpoint.save(self.root, step=step_no, model=getattr(model, "module", model), optimizer=optimizer,
-                        scheduler=scheduler, scaler=scaler, state=state, keep_last=self.cfg.checkpoint.keep_last)
+        state = {
+            **self.expect,
+            "step": step_no,
+            "tokens_seen": tokens_seen,
+            "sampler": sampler.state_dict(),
+            "config": self.cfg.to_dict(),
+        }
+        checkpoint.save(
+            self.root,
+            step=step_no,
+            model=getattr(model, "module", model),
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            state=state,
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
 
     def maybe_resume(self, model, optimizer, scheduler, scaler, sampler, record) -> tuple[int, int]:
         resume = self.cfg.checkpoint.resume
@@ -283,11 +302,18 @@ class _Checkpoints:
         else:
             path = Path(resume)
             if not path.is_dir():
-                raise ConfigError("checkpoint.resume", f"no checkpoint at {resume!r}",
-                                  'give a step-NNNNNNNN directory or "auto"')
+                raise ConfigError(
+                    "checkpoint.resume", f"no checkpoint at {resume!r}", 'give a step-NNNNNNNN directory or "auto"'
+                )
             record["resume"] = {"skipped": []}
-        state = checkpoint.load(path, model=getattr(model, "module", model), optimizer=optimizer,
-                                scheduler=scheduler, scaler=scaler, expect=self.expect)
+        state = checkpoint.load(
+            path,
+            model=getattr(model, "module", model),
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            expect=self.expect,
+        )
         sampler.load_state_dict(state["sampler"])
         record["resume"]["from"] = str(path)
         record["resume"]["step"] = state["step"]
@@ -306,7 +332,14 @@ def _compat(cfg: C.RunConfig) -> str:
     import hashlib
 
     d = cfg.to_dict()
-    keep = {"precision": d["precision"], "lora": d["lora"], "optim": d["optim"], "data": d["data"],
-            "seed": d["train"]["seed"], "seq_len": d["batch"]["seq_len"],
-            "micro_batch_size": d["batch"]["micro_batch_size"], "grad_accum_steps": d["batch"]["grad_accum_steps"]}
+    keep = {
+        "precision": d["precision"],
+        "lora": d["lora"],
+        "optim": d["optim"],
+        "data": d["data"],
+        "seed": d["train"]["seed"],
+        "seq_len": d["batch"]["seq_len"],
+        "micro_batch_size": d["batch"]["micro_batch_size"],
+        "grad_accum_steps": d["batch"]["grad_accum_steps"],
+    }
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]

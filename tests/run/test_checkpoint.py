@@ -1,0 +1,133 @@
+"""Checkpoints: bitwise continuation, damaged and malicious checkpoints, mismatched configs."""
+
+import json
+import os
+import pickle
+
+import pytest
+
+from trainplan import config as C
+from trainplan.errors import ConfigError
+from trainplan.run import checkpoint, loop
+from trainplan.verify.resume import verify
+
+torch = pytest.importorskip("torch")
+
+
+def cli_args(tiny_run, *extra):
+    root, base = tiny_run
+    out = []
+    for item in [*base, *extra]:
+        out += ["--set", item]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "extra", "steps", "at"),
+    [
+        ("full", ["mode=full"], 6, 3),
+        (
+            "lora with dropout, cosine LR, accumulation 2",
+            ["mode=lora", "lora.dropout=0.1", "train.schedule=cosine", "batch.grad_accum_steps=2"],
+            5,
+            2,
+        ),
+        # 6 documents, 2 held out: ~190 training sequences of 32 tokens; 16 per step crosses the epoch at step 12
+        ("lora across an epoch boundary", ["mode=lora", "batch.micro_batch_size=16"], 14, 12),
+    ],
+)
+def test_resume_is_bitwise_identical_to_the_uninterrupted_run(tiny_run, tmp_path, name, extra, steps, at):
+    result = verify(cli_args(tiny_run, *extra), steps=steps, at=at, workdir=tmp_path)
+    assert result["passed"], (name, result["checks"], result["max_deviation"])
+    assert result["max_deviation"] == {"loss": 0.0, "grad_norm": 0.0, "lr": 0.0}
+    if "epoch" in name:  # step `at` consumes the end of epoch 0 and the start of epoch 1
+        assert (at - 1) * 16 < result["train_sequences"] <= at * 16
+
+
+def run(tiny_run, out, *extra):
+    root, base = tiny_run
+    record = loop.run(C.load(None, [*base, f"train.output_dir={out}", *extra]), quiet=True)
+    record.pop("_env")
+    return record
+
+
+@pytest.mark.slow
+def test_double_resume(tiny_run, tmp_path):
+    common = ["mode=lora", "train.steps=6", f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every=2"]
+    full = run(tiny_run, tmp_path / "a", "mode=lora", "train.steps=6")
+    run(tiny_run, tmp_path / "b", *common, "train.stop_after=2")
+    run(tiny_run, tmp_path / "b", *common, "train.stop_after=4", "checkpoint.resume=auto")
+    last = run(tiny_run, tmp_path / "b", *common, "checkpoint.resume=auto")
+    assert last["resume"]["step"] == 4
+    assert [s["loss"] for s in last["steps"]] == [s["loss"] for s in full["steps"][4:]]
+    assert last["final"] == full["final"]
+
+
+@pytest.fixture
+def three_checkpoints(tiny_run, tmp_path):
+    ck = tmp_path / "ck"
+    run(tiny_run, tmp_path / "a", "mode=lora", f"checkpoint.dir={ck}", "checkpoint.every=1", "checkpoint.keep_last=3")
+    return ck
+
+
+def test_keeps_the_last_n_and_validates_them(three_checkpoints):
+    names = sorted(p.name for p in three_checkpoints.iterdir())
+    assert names == ["step-00000001", "step-00000002", "step-00000003"]
+    assert all(checkpoint.validate(three_checkpoints / n) is None for n in names)
+    manifest = json.loads((three_checkpoints / names[-1] / "manifest.json").read_text())
+    assert set(manifest["parts"]) >= {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json"}
+    assert "optimizer state" in manifest["holds"] and manifest["lacks"]
+
+
+def test_damaged_checkpoints_are_skipped_with_the_reason(tiny_run, tmp_path, three_checkpoints):
+    ck = three_checkpoints
+    weights = ck / "step-00000003" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])  # truncated
+    opt = ck / "step-00000002" / "optimizer.pt"
+    data = bytearray(opt.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    opt.write_bytes(bytes(data))
+    path, skipped = checkpoint.latest_valid(ck)
+    assert path.name == "step-00000001"
+    assert skipped == [
+        ("step-00000003", "part model.safetensors is truncated (" + skipped[0][1].split("(")[1]),
+        ("step-00000002", "part optimizer.pt fails its checksum"),
+    ]
+    (ck / "step-00000001" / "rng.pt").unlink()
+    assert checkpoint.validate(ck / "step-00000001") == "part rng.pt is missing"
+    record = run(
+        tiny_run, tmp_path / "b", "mode=lora", "train.steps=4", f"checkpoint.dir={ck}", "checkpoint.resume=auto"
+    )
+    assert record["resume"]["from"] is None and len(record["resume"]["skipped"]) == 3  # started afresh, said why
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/trainplan-pwned",))
+
+
+def test_a_pickled_payload_is_refused_without_running(tiny_run, tmp_path, three_checkpoints):
+    target = three_checkpoints / "step-00000003"
+    with open(target / "optimizer.pt", "wb") as f:
+        pickle.dump({"state": _Exploit()}, f)
+    manifest = json.loads((target / "manifest.json").read_text())  # forge a matching manifest
+    manifest["parts"]["optimizer.pt"] = {
+        "bytes": (target / "optimizer.pt").stat().st_size,
+        "sha256": checkpoint._sha256(target / "optimizer.pt"),
+    }
+    (target / "manifest.json").write_text(json.dumps(manifest))
+    if os.path.exists("/tmp/trainplan-pwned"):
+        os.remove("/tmp/trainplan-pwned")
+    with pytest.raises(checkpoint.CheckpointError, match="optimizer.pt holds a pickled payload that would run code"):
+        run(tiny_run, tmp_path / "b", "mode=lora", f"checkpoint.dir={three_checkpoints}", "checkpoint.resume=auto")
+    assert not os.path.exists("/tmp/trainplan-pwned")
+
+
+@pytest.mark.parametrize(
+    ("change", "what"), [("mode=full", "mode"), ("lora.r=4", "config"), ("optim.lr=0.5", "config")]
+)
+def test_a_checkpoint_from_another_run_is_refused(tiny_run, tmp_path, three_checkpoints, change, what):
+    extra = [change] if change.startswith("mode") else ["mode=lora", change]
+    with pytest.raises(ConfigError, match=f"was written for another {what}"):
+        run(tiny_run, tmp_path / "b", *extra, f"checkpoint.dir={three_checkpoints}", "checkpoint.resume=auto")
