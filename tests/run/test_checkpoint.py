@@ -41,8 +41,8 @@ def test_resume_is_bitwise_identical_to_the_uninterrupted_run(tiny_run, tmp_path
     result = verify(cli_args(tiny_run, *extra), steps=steps, at=at, workdir=tmp_path)
     assert result["passed"], (name, result["checks"], result["max_deviation"])
     assert result["max_deviation"] == {"loss": 0.0, "grad_norm": 0.0, "lr": 0.0}
-    if "epoch" in name:  # step `at` consumes the end of epoch 0 and the start of epoch 1
-        assert (at - 1) * 16 < result["train_sequences"] <= at * 16
+    if "epoch" in name:  # the checkpoint falls exactly where epoch 0 ends
+        assert result["train_sequences"] == at * 16
 
 
 def run(tiny_run, out, *extra):
