@@ -33,8 +33,8 @@ def cli_args(tiny_run, *extra):
             5,
             2,
         ),
-        # 6 documents, 2 held out: ~190 training sequences of 32 tokens; 16 per step crosses the epoch at step 12
-        ("lora across an epoch boundary", ["mode=lora", "batch.micro_batch_size=16"], 14, 12),
+        # 4 training documents pack into 96 sequences of 32 tokens: 16 per step ends epoch 0 at step 6
+        ("lora at an epoch boundary", ["mode=lora", "batch.micro_batch_size=16"], 9, 6),
     ],
 )
 def test_resume_is_bitwise_identical_to_the_uninterrupted_run(tiny_run, tmp_path, name, extra, steps, at):
