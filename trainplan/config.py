@@ -77,7 +77,7 @@ class DataConfig:
 @dataclass(kw_only=True)
 class CheckpointConfig:
     dir: str = ""  # default: <train.output_dir>/checkpoints
-    every: int = 0  # optimizer steps between checkpoints; 0: none
+    every: int = 50  # optimizer steps between checkpoints; 0: none
     keep_last: int = 2
     resume: str = ""  # "auto": the newest valid checkpoint in dir; or a checkpoint path
 

@@ -59,7 +59,12 @@ def _fsync_dir(path: Path) -> None:
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint must hold: the trainable ones (full: all; lora: adapters)."""
     names = {n for n, p in model.named_parameters() if p.requires_grad}
-    return {n: t.detach().contiguous().cpu() for n, t in model.state_dict().items() if n in names}
+    return {n: _full(t).detach().contiguous().cpu() for n, t in model.state_dict().items() if n in names}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a collective: every rank must call it in order)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def rng_state() -> dict:
@@ -267,5 +272,5 @@ def optimizer_hash(optimizer) -> str:
         for key in sorted(state[pid]):
             value = state[pid][key]
             if isinstance(value, torch.Tensor):
-                items.append((f"{pid}.{key}", value))
+                items.append((f"{pid}.{key}", _full(value)))
     return tensor_hash(items)

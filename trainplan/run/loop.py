@@ -256,7 +256,8 @@ class _Checkpoints:
     def __init__(self, cfg: C.RunConfig, out_dir: Path, env: dist.DistEnv, r) -> None:
         self.cfg, self.env = cfg, env
         self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
-        if (cfg.checkpoint.every or cfg.checkpoint.resume) and env.world > 1:
+        saves = cfg.checkpoint.every and cfg.checkpoint.every <= cfg.train.steps
+        if (saves or cfg.checkpoint.resume) and env.world > 1:
             raise ConfigError(
                 "checkpoint",
                 "checkpoints cover single-process runs in this version",

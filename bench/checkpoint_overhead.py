@@ -1,0 +1,80 @@
+"""Seconds per checkpoint, and its share of training time at the default interval.
+
+Run: .venv/bin/python bench/checkpoint_overhead.py   (figures in docs/benchmarks.md)
+
+The embedded default (SmolLM2-135M), micro-batch 4 x seq 256 on this CPU, fp32: full fine-tuning
+(weights + AdamW state: ~1.6 GB per checkpoint) and LoRA (adapters + their state). Medians of 3.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    from trainplan import config as C
+    from trainplan.plan import analytic
+    from trainplan.run import checkpoint, data, models, step
+
+    transformers.logging.set_verbosity_error()
+    every = C.CheckpointConfig().every
+    for mode in ("full", "lora"):
+        cfg = C.load(
+            None,
+            [f"mode={mode}", "precision=fp32", "batch.seq_len=256", "batch.micro_batch_size=4", "hardware.gpus=cpu"],
+        )
+        r = analytic.resolve(cfg)
+        tok = models.load_tokenizer(cfg, r.spec)
+        ids, labels = data.pack(
+            data.split_documents(data.load_documents("default"), 0.1)[0], tok, 256, r.spec.vocab_size
+        )
+        model = models.load_model(cfg, r.spec, r.precision, torch.device("cpu"))
+        opt = step.build_optimizer(model, "adamw", "auto", 1e-5, 0.0, "cpu")
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+        step_times = []
+        for i in range(4):
+            t0 = time.perf_counter()
+            step.train_step(
+                model,
+                opt,
+                [{"input_ids": ids[i * 4 : (i + 1) * 4], "labels": labels[i * 4 : (i + 1) * 4]}],
+                prec=r.precision,
+                device_type="cpu",
+                scheduler=sched,
+            )
+            step_times.append(time.perf_counter() - t0)
+        save_times, size = [], 0
+        with tempfile.TemporaryDirectory() as tmp:
+            for k in range(3):
+                t0 = time.perf_counter()
+                path = checkpoint.save(
+                    Path(tmp),
+                    step=k + 1,
+                    model=model,
+                    optimizer=opt,
+                    scheduler=sched,
+                    scaler=None,
+                    state={"mode": mode, "step": k + 1},
+                    keep_last=1,
+                )
+                save_times.append(time.perf_counter() - t0)
+                size = sum(p.stat().st_size for p in path.iterdir())
+        s, t = statistics.median(save_times), statistics.median(step_times[1:])
+        share = s / (every * t + s)
+        print(
+            f"{mode:5s}: checkpoint {size / 2**20:8.1f} MiB in {s:6.2f} s; step {t:5.2f} s; "
+            f"every {every} steps -> {100 * share:.2f}% of training time"
+        )
+
+
+if __name__ == "__main__":
+    main()
