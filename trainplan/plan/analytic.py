@@ -12,6 +12,7 @@ partition, and whenever gradient accumulation spans more than one micro-batch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from trainplan import config as C
@@ -518,21 +519,7 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         "activations": 2 * ctx.tokens * 8,  # the batch (ids, labels) is still referenced
         "buffers": buffers,
     }
-    led = DeviceLedger(
-        label=_label(device, rank),
-        device=device,
-        role=_role(dims, rank),
-        phases=phases,
-        runtime_bytes=runtime,
-        reserve_fraction=0.0 if cpu else cfg.hardware.allocator_reserve,
-        safety_margin=cfg.hardware.safety_margin,
-        explain=explain,
-        details=details,
-        ranks=[rank],
-        offload_bytes=host_bytes,
-    )
-    _runtime_explain(led, cfg)
-    return led
+    return _device_ledger(r, rank, phases, runtime, explain, details, offload_bytes=host_bytes)
 
 
 def _shape_tp(t: ParamTensor, tp: int) -> tuple[int, ...]:
@@ -555,6 +542,27 @@ def _role(dims: ParallelDims, rank: int) -> str:
         parts.append(f"tp {tp_i}")
     parts.append("single" if dims.strategy == "single" else dims.strategy)
     return ", ".join(parts) + f" rank {rank}"
+
+
+def _device_ledger(
+    r: Resolved, rank: int, phases: dict, runtime: int, explain: dict, details: dict, *, offload_bytes: int = 0
+) -> DeviceLedger:
+    device = r.devices[rank]
+    led = DeviceLedger(
+        label=_label(device, rank),
+        device=device,
+        role=_role(r.dims, rank),
+        phases=phases,
+        runtime_bytes=runtime,
+        reserve_fraction=0.0 if device.kind == "cpu" else r.cfg.hardware.allocator_reserve,
+        safety_margin=r.cfg.hardware.safety_margin,
+        explain=explain,
+        details=details,
+        ranks=[rank],
+        offload_bytes=offload_bytes,
+    )
+    _runtime_explain(led, r.cfg)
+    return led
 
 
 def _runtime_explain(led: DeviceLedger, cfg: C.RunConfig) -> None:
@@ -627,19 +635,7 @@ def _inference_ledger(
             "buffers": buffers,
         }
     }
-    led = DeviceLedger(
-        label=_label(device, rank),
-        device=device,
-        role=_role(dims, rank),
-        phases=phases,
-        runtime_bytes=runtime,
-        reserve_fraction=0.0 if device.kind == "cpu" else r.cfg.hardware.allocator_reserve,
-        safety_margin=r.cfg.hardware.safety_margin,
-        explain=explain,
-        ranks=[rank],
-    )
-    _runtime_explain(led, r.cfg)
-    return led
+    return _device_ledger(r, rank, phases, runtime, explain, {})
 
 
 def kv_cache_bytes(*, batch: int, context: int, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
@@ -690,18 +686,8 @@ def plan(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Ledger:
             cache[key] = _rank_ledger(r, rank)
         proto = cache[key]
         ledgers.append(
-            DeviceLedger(
-                label=_label(device, rank),
-                device=device,
-                role=_role(r.dims, rank),
-                phases=proto.phases,
-                runtime_bytes=proto.runtime_bytes,
-                reserve_fraction=proto.reserve_fraction,
-                safety_margin=proto.safety_margin,
-                explain=proto.explain,
-                details=proto.details,
-                ranks=[rank],
-                offload_bytes=proto.offload_bytes,
+            dataclasses.replace(
+                proto, label=_label(device, rank), device=device, role=_role(r.dims, rank), ranks=[rank]
             )
         )
     host = None

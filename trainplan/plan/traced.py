@@ -12,6 +12,7 @@ arithmetic; the output says which rows were traced and which derived.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import resource
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from trainplan.config import RunConfig
 from trainplan.errors import TrainplanError
 from trainplan.plan import analytic
 from trainplan.plan.analytic import ZERO2_BUCKET_BYTES
-from trainplan.plan.ledger import DeviceLedger, Ledger
+from trainplan.plan.ledger import Ledger
 from trainplan.spec.model import ModelSpec
 
 # Comparison groups: the tracker's categories cannot tell an autocast copy or a logits buffer
@@ -249,21 +250,9 @@ def _derive_data_parallel(comps: dict[str, dict[str, int]], rows: dict[str, str]
 
 def traced_ledger(result: TraceResult, r: analytic.Resolved, analytic_ledger: Ledger) -> Ledger:
     """The traced bill as a Ledger (runtime and allocator reserve from the analytic settings)."""
-    devices = []
-    for proto in analytic_ledger.devices:
-        devices.append(
-            DeviceLedger(
-                label=proto.label,
-                device=proto.device,
-                role=proto.role,
-                phases=result.phases,
-                runtime_bytes=proto.runtime_bytes,
-                reserve_fraction=proto.reserve_fraction,
-                safety_margin=proto.safety_margin,
-                explain={},
-                ranks=proto.ranks,
-            )
-        )
+    devices = [
+        dataclasses.replace(proto, phases=result.phases, explain={}, details={}) for proto in analytic_ledger.devices
+    ]
     return Ledger(
         model=analytic_ledger.model,
         settings=analytic_ledger.settings,
