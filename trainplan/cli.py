@@ -241,6 +241,7 @@ def _verify_resume_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--at", type=int, default=3, help="k: the interrupted run stops and checkpoints here")
     p.add_argument("--tolerance", type=float, default=0.0, help="largest allowed per-step deviation; 0 = bitwise")
     p.add_argument("--workdir", default="runs/verify-resume", help="where the three runs write")
+    p.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun --standalone) for DDP / ZeRO-1")
     p.add_argument("--json", action="store_true")
 
 
@@ -256,7 +257,14 @@ def _verify_resume_run(args: argparse.Namespace) -> int:
     if not 0 < args.at < args.steps:
         raise TrainplanError(f"--at: must be between 1 and {args.steps - 1} (got {args.at}); choose k < N")
     try:
-        result = verify(passthrough, steps=args.steps, at=args.at, workdir=Path(args.workdir), tolerance=args.tolerance)
+        result = verify(
+            passthrough,
+            steps=args.steps,
+            at=args.at,
+            workdir=Path(args.workdir),
+            tolerance=args.tolerance,
+            nproc=args.nproc,
+        )
     except RuntimeError as e:
         raise TrainplanError(f"verify-resume: {e}") from None
     if args.json:

@@ -76,7 +76,7 @@ def test_keeps_the_last_n_and_validates_them(three_checkpoints):
     assert names == ["step-00000001", "step-00000002", "step-00000003"]
     assert all(checkpoint.validate(three_checkpoints / n) is None for n in names)
     manifest = json.loads((three_checkpoints / names[-1] / "manifest.json").read_text())
-    assert set(manifest["parts"]) >= {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json"}
+    assert set(manifest["parts"]) >= {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng-rank0.pt", "state.json"}
     assert "optimizer state" in manifest["holds"] and manifest["lacks"]
 
 
@@ -94,8 +94,8 @@ def test_damaged_checkpoints_are_skipped_with_the_reason(tiny_run, tmp_path, thr
         ("step-00000003", "part model.safetensors is truncated (" + skipped[0][1].split("(")[1]),
         ("step-00000002", "part optimizer.pt fails its checksum"),
     ]
-    (ck / "step-00000001" / "rng.pt").unlink()
-    assert checkpoint.validate(ck / "step-00000001") == "part rng.pt is missing"
+    (ck / "step-00000001" / "rng-rank0.pt").unlink()
+    assert checkpoint.validate(ck / "step-00000001") == "part rng-rank0.pt is missing"
     record = run(
         tiny_run, tmp_path / "b", "mode=lora", "train.steps=4", f"checkpoint.dir={ck}", "checkpoint.resume=auto"
     )

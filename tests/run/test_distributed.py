@@ -72,3 +72,14 @@ def test_lora_and_inference_on_two_ranks(tiny_run, tmp_path, mode, strategy):
     assert record["contract"]["passed"], record["contract"]["detail"]
     if mode == "lora":
         assert record["eval_after"]["loss"] < record["eval_before"]["loss"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_resume_on_two_ranks_is_bitwise(tiny_run, tmp_path, strategy):
+    from trainplan.verify.resume import verify
+
+    root, base = tiny_run
+    args = [x for item in [*base, "batch.micro_batch_size=2", f"parallel.strategy={strategy}"] for x in ("--set", item)]
+    result = verify(args, steps=5, at=2, workdir=tmp_path, nproc=2)
+    assert result["passed"], (result["checks"], result["max_deviation"])
+    assert result["max_deviation"] == {"loss": 0.0, "grad_norm": 0.0, "lr": 0.0}

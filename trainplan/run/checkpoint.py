@@ -96,28 +96,59 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(s, i)
 
 
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def save(root: Path, *, step: int, model: nn.Module, optimizer, scheduler, scaler, state: dict, keep_last: int) -> Path:
-    """Write checkpoint `step` under root atomically; keep the newest `keep_last` valid ones."""
+    """Write checkpoint `step` under root atomically; keep the newest `keep_last` valid ones.
+
+    Under DDP every rank writes its own RNG state into the shared temporary directory; rank 0
+    writes the rest (weights and optimizer state are replicated), the manifest, and renames.
+    """
+    import torch.distributed as dist
     from safetensors.torch import save_file
 
-    root.mkdir(parents=True, exist_ok=True)
+    rank, world = _rank_world()
+    owner_pid = [os.getpid()]
+    if world > 1:
+        dist.broadcast_object_list(owner_pid, src=0)
     final = root / f"{PREFIX}{step:08d}"
-    tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    parts = {
-        "model.safetensors": None,
-        "optimizer.pt": optimizer.state_dict(),
-        "scheduler.pt": scheduler.state_dict(),
-        "rng.pt": rng_state(),
-    }
-    if scaler is not None:
-        parts["scaler.pt"] = scaler.state_dict()
-    save_file(trainable_state(model), str(tmp / "model.safetensors"))
-    for name, obj in parts.items():
-        if obj is not None:
+    tmp = root / f".tmp-{PREFIX}{step:08d}-{owner_pid[0]}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO-1: gather the shards on rank 0
+        optimizer.consolidate_state_dict(to=0)
+    _barrier()
+    torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")
+    _barrier()
+    if rank == 0:
+        save_file(trainable_state(model), str(tmp / "model.safetensors"))
+        parts = {"optimizer.pt": optimizer.state_dict(), "scheduler.pt": scheduler.state_dict()}
+        if scaler is not None:
+            parts["scaler.pt"] = scaler.state_dict()
+        for name, obj in parts.items():
             torch.save(obj, tmp / name)
-    (tmp / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
+        (tmp / "state.json").write_text(json.dumps({**state, "world_size": world}, indent=1, sort_keys=True))
+        _finish(root, tmp, final, step, world, scaler is not None, state.get("mode"), keep_last)
+    _barrier()
+    return final
+
+
+def _finish(root: Path, tmp: Path, final: Path, step: int, world: int, has_scaler: bool, mode, keep_last: int) -> None:
     files = sorted(p.name for p in tmp.iterdir())
     for name in files:
         with open(tmp / name, "rb+") as f:
@@ -126,20 +157,19 @@ def save(root: Path, *, step: int, model: nn.Module, optimizer, scheduler, scale
         "schema": SCHEMA,
         "step": step,
         "complete": True,
+        "world_size": world,
         "parts": {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in files},
         "holds": [
             "trainable weights",
             "optimizer state",
             "LR scheduler",
-            "RNG (python, numpy, torch, cuda)",
+            "RNG per rank (python, numpy, torch, cuda)",
             "training progress",
             "data position",
             "resolved config",
         ]
-        + (["GradScaler"] if scaler else []),
-        "lacks": ["frozen base weights (LoRA: identified by the base fingerprint)"]
-        if state.get("mode") != "full"
-        else [],
+        + (["GradScaler"] if has_scaler else []),
+        "lacks": ["frozen base weights (LoRA: identified by the base fingerprint)"] if mode != "full" else [],
     }
     with open(tmp / "manifest.json", "w") as f:
         json.dump(manifest, f, indent=1)
@@ -151,7 +181,6 @@ def save(root: Path, *, step: int, model: nn.Module, optimizer, scheduler, scale
     os.replace(tmp, final)
     _fsync_dir(root)
     _prune(root, keep_last)
-    return final
 
 
 def validate(path: Path) -> str | None:
@@ -248,7 +277,17 @@ def load(path: Path, *, model: nn.Module, optimizer, scheduler, scaler, expect: 
     scheduler.load_state_dict(_safe_load(path / "scheduler.pt"))
     if scaler is not None:
         scaler.load_state_dict(_safe_load(path / "scaler.pt"))
-    set_rng_state(_safe_load(path / "rng.pt"))
+    rank, world = _rank_world()
+    notes = []
+    if state.get("world_size", 1) != world:
+        notes.append(
+            f"written by {state.get('world_size', 1)} rank(s), resumed on {world}: data order and RNG "
+            "streams differ from the original run, so continuation is not exact"
+        )
+    rng_file = path / f"rng-rank{rank}.pt"
+    if rng_file.is_file():
+        set_rng_state(_safe_load(rng_file))
+    state["notes"] = notes
     return state
 
 

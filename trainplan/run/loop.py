@@ -257,11 +257,11 @@ class _Checkpoints:
         self.cfg, self.env = cfg, env
         self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
         saves = cfg.checkpoint.every and cfg.checkpoint.every <= cfg.train.steps
-        if (saves or cfg.checkpoint.resume) and env.world > 1:
+        if (saves or cfg.checkpoint.resume) and r.dims.shards_params:
             raise ConfigError(
                 "checkpoint",
-                "checkpoints cover single-process runs in this version",
-                "run without torchrun, or set checkpoint.every = 0 and no resume",
+                "FSDP checkpoints (DCP shards) are not supported yet",
+                "use parallel.strategy = ddp or zero1 with checkpoints, or set checkpoint.every = 0",
             )
         self.expect = {
             "model_fingerprint": _model_fingerprint(r.spec, cfg),
@@ -294,7 +294,7 @@ class _Checkpoints:
             return 0, 0
         if resume == "auto":
             path, skipped = checkpoint.latest_valid(self.root)
-            for name, reason in skipped:
+            for name, reason in skipped if self.env.is_main else []:
                 print(f"trainplan train: skipped checkpoint {name}: {reason}", file=sys.stderr)
             record["resume"] = {"skipped": [{"checkpoint": n, "reason": why} for n, why in skipped]}
             if path is None:
@@ -316,6 +316,10 @@ class _Checkpoints:
             expect=self.expect,
         )
         sampler.load_state_dict(state["sampler"])
+        for note in state["notes"]:
+            if self.env.is_main:
+                print(f"trainplan train: resume: {note}", file=sys.stderr)
+        record["resume"]["notes"] = state["notes"]
         record["resume"]["from"] = str(path)
         record["resume"]["step"] = state["step"]
         return state["step"], state["tokens_seen"]

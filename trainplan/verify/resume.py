@@ -14,8 +14,11 @@ import sys
 from pathlib import Path
 
 
-def _train(args: list[str], out: Path, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "trainplan", "train", *args, "--set", f"train.output_dir={str(out)!r}", *extra]
+def _train(args: list[str], out: Path, *extra: str, nproc: int = 1) -> dict:
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    cmd = [*launcher, "-m", "trainplan", "train", *args, "--set", f"train.output_dir={str(out)!r}", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(
@@ -25,13 +28,15 @@ def _train(args: list[str], out: Path, *extra: str) -> dict:
     return json.loads((out / "record.json").read_text())
 
 
-def verify(train_args: list[str], *, steps: int, at: int, workdir: Path, tolerance: float = 0.0) -> dict:
+def verify(
+    train_args: list[str], *, steps: int, at: int, workdir: Path, tolerance: float = 0.0, nproc: int = 1
+) -> dict:
     """Run the three runs and compare them. tolerance 0 means bitwise."""
     if not 0 < at < steps:
         raise ValueError(f"--at must be between 1 and {steps - 1} (got {at})")
     base = [*train_args, "--set", f"train.steps={steps}"]
     ckpt = workdir / "checkpoints"
-    full = _train(base, workdir / "uninterrupted")
+    full = _train(base, workdir / "uninterrupted", nproc=nproc)
     _train(
         base,
         workdir / "interrupted",
@@ -41,9 +46,16 @@ def verify(train_args: list[str], *, steps: int, at: int, workdir: Path, toleran
         f"checkpoint.every={at}",
         "--set",
         f"checkpoint.dir={str(ckpt)!r}",
+        nproc=nproc,
     )
     resumed = _train(
-        base, workdir / "resumed", "--set", "checkpoint.resume='auto'", "--set", f"checkpoint.dir={str(ckpt)!r}"
+        base,
+        workdir / "resumed",
+        "--set",
+        "checkpoint.resume='auto'",
+        "--set",
+        f"checkpoint.dir={str(ckpt)!r}",
+        nproc=nproc,
     )
     expected = full["steps"][at:]
     got = resumed["steps"]
