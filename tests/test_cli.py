@@ -116,3 +116,37 @@ def test_shipped_examples_plan(example):
     r = run("plan", str(path), "--json")
     assert r.returncode in (0, 1), r.stderr
     assert json.loads(r.stdout)["settings"]["mode"] in ("full", "lora", "qlora", "inference")
+
+
+def test_flags_reach_verify_resume_runs_as_settings():
+    from trainplan import config as C
+
+    args = cli.build_parser().parse_args(
+        [
+            "verify-resume",
+            "--mode",
+            "lora",
+            "--lora-targets",
+            "q_proj,k_proj",
+            "--checkpointing",
+            "--seq",
+            "64",
+            "--set",
+            "train.seed=3",
+        ]
+    )
+    settings = cli.settings_from_args(args)
+    flags = [f"{k}={C.toml_literal(v)}" for k, v in settings.items()]
+    cfg = C.load(None, flags + args.set)
+    assert (
+        cfg.mode,
+        cfg.lora.target_modules,
+        cfg.memory.activation_checkpointing,
+        cfg.batch.seq_len,
+        cfg.train.seed,
+    ) == ("lora", ["q_proj", "k_proj"], True, 64, 3)
+
+
+def test_verify_resume_refuses_k_outside_the_run():
+    r = run("verify-resume", "--steps", "4", "--at", "4")
+    assert r.returncode == 2 and "--at: must be between 1 and 3 (got 4)" in r.stderr

@@ -70,6 +70,11 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace):
     from trainplan import config as C
 
+    return C.load(args.config, args.set, settings_from_args(args))
+
+
+def settings_from_args(args: argparse.Namespace) -> dict:
+    """The config settings that flags (not --set) give, as dotted keys."""
     settings = {}
     for flag, key, _ in CONFIG_FLAGS:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
@@ -80,7 +85,7 @@ def config_from_args(args: argparse.Namespace):
             settings[key] = True
     if args.lora_targets is not None:
         settings["lora.target_modules"] = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
-    return C.load(args.config, args.set, settings)
+    return settings
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -210,9 +215,11 @@ def _train_run(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
 
+    from trainplan.config import toml_literal
+
     for flag, key in (("steps", "train.steps"), ("data", "data.source"), ("output_dir", "train.output_dir")):
         if getattr(args, flag) is not None:
-            args.set.insert(0, f"{key}={getattr(args, flag)!r}" if flag != "steps" else f"{key}={args.steps}")
+            args.set.insert(0, f"{key}={toml_literal(getattr(args, flag))}")
     record = loop.run(config_from_args(args))
     env = record.pop("_env")
     if env.is_main:
@@ -246,14 +253,14 @@ def _verify_resume_args(p: argparse.ArgumentParser) -> None:
 
 
 def _verify_resume_run(args: argparse.Namespace) -> int:
+    from trainplan.config import toml_literal
     from trainplan.verify.resume import verify
 
     config_from_args(args)  # validate before starting three processes
-    passthrough = ([args.config] if args.config else []) + [x for item in args.set for x in ("--set", item)]
-    for flag, key, _ in CONFIG_FLAGS:
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if value is not None:
-            passthrough += ["--set", f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"]
+
+    # every flag reaches the three runs as --set, ahead of the user's own --set (which win)
+    flags = [f"{key}={toml_literal(value)}" for key, value in settings_from_args(args).items()]
+    passthrough = ([args.config] if args.config else []) + [x for item in flags + args.set for x in ("--set", item)]
     if not 0 < args.at < args.steps:
         raise TrainplanError(f"--at: must be between 1 and {args.steps - 1} (got {args.at}); choose k < N")
     try:

@@ -323,18 +323,20 @@ def load(
     return from_dict(tree)
 
 
+def toml_literal(v: Any) -> str:
+    """A value as a TOML literal (what `--set key=VALUE` and config files read)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_literal(x) for x in v) + "]"
+    return repr(v)
+
+
 def to_toml(cfg: RunConfig) -> str:
     """Write a RunConfig as TOML that `load` reads back to an equal object."""
-
-    def lit(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, list):
-            return "[" + ", ".join(lit(x) for x in v) + "]"
-        return repr(v)
-
+    lit = toml_literal
     d = cfg.to_dict()
     lines = [f"{k} = {lit(d.pop(k))}" for k in _TOP_KEYS]
     for sec, body in d.items():
