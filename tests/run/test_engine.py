@@ -170,3 +170,21 @@ def test_empty_dataset_is_refused(tiny_run, tmp_path):
     (empty / "a.txt").write_text("\n")
     with pytest.raises(ConfigError, match="holds no non-empty document"):
         run(tiny_run, tmp_path, f"data.source={empty}")
+
+
+def test_embedded_default_loads_exactly_as_transformers_does():
+    """Weights and every config field (RoPE base, norm epsilon) of the pretrained default model."""
+    import transformers
+
+    from trainplan.run import dist, models
+
+    cfg = C.load(
+        None, ["mode=lora", "precision=fp32", "batch.seq_len=64", "batch.micro_batch_size=2", "hardware.gpus=cpu"]
+    )
+    _, r, tok, _, (ids, _), _, model = loop.prepare(cfg, dist.init())
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(models.weights_dir(cfg)), dtype=torch.float32)
+    model.eval()
+    reference.eval()
+    x = ids[:2]
+    with torch.no_grad():
+        assert float(model(input_ids=x, labels=x).loss) == float(reference(input_ids=x, labels=x).loss)

@@ -53,6 +53,8 @@ def test_embedded_default_is_smollm2_from_gguf():
     assert spec.num_params == M.load_model_spec("SmolLM2-135M").num_params
     assert (spec.num_layers, spec.hidden_size, spec.num_kv_heads) == (30, 576, 3)
     assert spec.tie_word_embeddings
+    assert spec.config["rope_theta"] == 100000.0  # not transformers' default of 10000
+    assert spec.config["rms_norm_eps"] == pytest.approx(1e-5)
 
 
 def test_gguf_header_reader_agrees_with_gguf_package():

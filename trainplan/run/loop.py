@@ -69,6 +69,10 @@ def prepare(cfg: C.RunConfig, env: dist.DistEnv):
     """Resolve the config for the devices actually present, then build data and model."""
     cfg = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, gpus=_device_label(env)))
     r = analytic.resolve(cfg)
+    directory = models.weights_dir(cfg) if models.is_pretrained(cfg) else None
+    if directory is not None:  # build from the checkpoint's own transformers config, every field of it
+        full_config = json.loads((directory / "config.json").read_text())
+        r = dataclasses.replace(r, spec=dataclasses.replace(r.spec, config=full_config))
     if r.dims.tp > 1 or r.dims.pp > 1:
         raise ConfigError(
             "parallel.tp",

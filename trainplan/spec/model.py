@@ -527,6 +527,11 @@ def gguf_config(path: Path) -> dict:
         "vocab_size": meta.get(f"{arch}.vocab_size") or meta.get("tokenizer.ggml.tokens"),
         "tie_word_embeddings": "output.weight" not in tensor_names,
     }
+    # numerics the architecture needs beyond sizes: RoPE base and the norm epsilon
+    if meta.get(f"{arch}.rope.freq_base"):
+        cfg["rope_theta"] = float(meta[f"{arch}.rope.freq_base"])
+    if meta.get(f"{arch}.attention.layer_norm_rms_epsilon"):
+        cfg["rms_norm_eps"] = float(meta[f"{arch}.attention.layer_norm_rms_epsilon"])
     if meta.get(f"{arch}.attention.key_length"):
         cfg["head_dim"] = meta[f"{arch}.attention.key_length"]
     if meta.get(f"{arch}.expert_count"):
