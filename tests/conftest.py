@@ -11,3 +11,19 @@ def make_cfg():
         return C.load(None, [], {k.replace("__", "."): v for k, v in settings.items()})
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """A 2-layer Llama config (hidden 64, GQA 4/2, vocab 256) as transformers' config.json dict."""
+    return {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": False,
+    }

@@ -9,30 +9,18 @@ from trainplan.plan.analytic import kv_cache_bytes, plan
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-TINY = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 160,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": False,
-}
 
-
-def _tiny_model():
+def _tiny_model(cfg: dict):
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY))
+    return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**cfg))
 
 
-def test_weights_gradients_and_adamw_states_match_a_real_step(tmp_path, make_cfg):
+def test_weights_gradients_and_adamw_states_match_a_real_step(tmp_path, make_cfg, tiny_llama):
     cfg_path = tmp_path / "config.json"
-    cfg_path.write_text(json.dumps(TINY))
+    cfg_path.write_text(json.dumps(tiny_llama))
     led = plan(make_cfg(model__source=str(cfg_path), hardware__gpus="cpu", precision="fp32")).devices[0]
 
-    model = _tiny_model()
+    model = _tiny_model(tiny_llama)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # CPU default: single-tensor loop
     ids = torch.randint(0, 256, (2, 16))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -45,8 +33,8 @@ def test_weights_gradients_and_adamw_states_match_a_real_step(tmp_path, make_cfg
     assert led.phases["optimizer"]["optimizer"] == states
 
 
-def test_kv_cache_matches_transformers_cache():
-    model = _tiny_model().eval()
+def test_kv_cache_matches_transformers_cache(tiny_llama):
+    model = _tiny_model(tiny_llama).eval()
     ids = torch.randint(0, 256, (3, 20))
     with torch.inference_mode():
         cache = model(input_ids=ids, use_cache=True).past_key_values

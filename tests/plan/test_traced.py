@@ -11,17 +11,6 @@ from trainplan.plan import analytic, traced
 
 torch = pytest.importorskip("torch")
 
-TINY = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 160,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": False,
-}
 TINY_GPT2 = {
     "model_type": "gpt2",
     "n_embd": 64,
@@ -48,10 +37,10 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+def tiny_dir(tmp_path_factory, tiny_llama):
     d = tmp_path_factory.mktemp("models")
-    (d / "tiny.json").write_text(json.dumps(TINY))
-    (d / "tied.json").write_text(json.dumps({**TINY, "tie_word_embeddings": True}))
+    (d / "tiny.json").write_text(json.dumps(tiny_llama))
+    (d / "tied.json").write_text(json.dumps({**tiny_llama, "tie_word_embeddings": True}))
     (d / "gpt2.json").write_text(json.dumps(TINY_GPT2))
     return d
 

@@ -218,15 +218,6 @@ class ModelSpec:
     def num_params(self) -> int:
         return sum(t.numel for t in self.tensors)
 
-    @functools.cached_property
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer (all layers are identical)."""
-        return sum(t.numel for t in self._layer_tensors(0))
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
     @property
     def active_params_per_token(self) -> int:
         """Parameters a token passes through (MoE: only experts_per_token experts)."""
