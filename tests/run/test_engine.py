@@ -130,6 +130,21 @@ def test_sampler_resumes_where_it_stopped():
     assert sorted(first + data.StatefulSampler(10, seed=3).take(10)[7:]) == list(range(10))
 
 
+def test_sampler_continues_the_global_order_on_another_world_size():
+    """Ranks stride one permutation, so 2 ranks after k samples each and 1 rank after 2k samples
+    stand at the same global index: nothing is replayed or skipped when the world size changes."""
+    two = [data.StatefulSampler(40, seed=1, rank=r, world=2) for r in range(2)]
+    seen = [i for s in two for i in s.take(6)]
+    one = data.StatefulSampler(40, seed=1)
+    one.load_state_dict(two[0].state_dict())
+    rest = one.take(40 - 12)
+    assert sorted(seen + rest) == list(range(40))
+    back = [data.StatefulSampler(40, seed=1, rank=r, world=2) for r in range(2)]
+    for s in back:
+        s.load_state_dict(one.state_dict())  # 1 -> 2 ranks: 40 consumed, epoch 1 begins
+    assert sorted(i for s in back for i in s.take(20)) == list(range(40))
+
+
 def test_sequence_longer_than_the_context_is_refused(tiny_run, tmp_path):
     with pytest.raises(ConfigError, match=r"batch\.seq_len: 512 exceeds the model's context of 256"):
         run(tiny_run, tmp_path, "batch.seq_len=512")

@@ -18,12 +18,14 @@ is complete and every checksum verifies, so a crash mid-write leaves nothing tha
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import pickle
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -111,11 +113,41 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(root: Path, *, step: int, model: nn.Module, optimizer, scheduler, scaler, state: dict, keep_last: int) -> Path:
+def _dcp_state(model: nn.Module, optimizer) -> dict:
+    """Model (trainable tensors only) and optimizer state as DCP sees them: FQN-keyed, sharded
+    DTensors under FSDP2, plain tensors otherwise, so any world size can read them back."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": msd, "optimizer": osd}
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    """DCP warns when there is no process group; one process reading or writing shards is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def save(
+    root: Path,
+    *,
+    step: int,
+    model: nn.Module,
+    optimizer,
+    scheduler,
+    scaler,
+    state: dict,
+    keep_last: int,
+    sharded: bool = False,
+) -> Path:
     """Write checkpoint `step` under root atomically; keep the newest `keep_last` valid ones.
 
-    Under DDP every rank writes its own RNG state into the shared temporary directory; rank 0
-    writes the rest (weights and optimizer state are replicated), the manifest, and renames.
+    Every rank writes its own RNG state into the shared temporary directory. Replicated runs (one
+    process, DDP, ZeRO-1): rank 0 writes weights (safetensors) and optimizer state. Sharded runs
+    (FSDP2): every rank writes its own shards of both through torch.distributed.checkpoint (DCP).
+    Rank 0 then writes the manifest and renames.
     """
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -134,34 +166,49 @@ def save(root: Path, *, step: int, model: nn.Module, optimizer, scheduler, scale
         optimizer.consolidate_state_dict(to=0)
     _barrier()
     torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+
+        with _single_process_ok():
+            dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(tmp / "dcp"))
     _barrier()
     if rank == 0:
-        save_file(trainable_state(model), str(tmp / "model.safetensors"))
-        parts = {"optimizer.pt": optimizer.state_dict(), "scheduler.pt": scheduler.state_dict()}
+        parts = {"scheduler.pt": scheduler.state_dict()}
+        if not sharded:
+            save_file(trainable_state(model), str(tmp / "model.safetensors"))
+            parts["optimizer.pt"] = optimizer.state_dict()
         if scaler is not None:
             parts["scaler.pt"] = scaler.state_dict()
         for name, obj in parts.items():
             torch.save(obj, tmp / name)
-        (tmp / "state.json").write_text(json.dumps({**state, "world_size": world}, indent=1, sort_keys=True))
-        _finish(root, tmp, final, step, world, scaler is not None, state.get("mode"), keep_last)
+        fmt = "dcp" if sharded else "safetensors"
+        (tmp / "state.json").write_text(
+            json.dumps({**state, "world_size": world, "format": fmt}, indent=1, sort_keys=True)
+        )
+        _finish(root, tmp, final, step, world, scaler is not None, state.get("mode"), keep_last, fmt)
     _barrier()
     return final
 
 
-def _finish(root: Path, tmp: Path, final: Path, step: int, world: int, has_scaler: bool, mode, keep_last: int) -> None:
-    files = sorted(p.name for p in tmp.iterdir())
+def _finish(
+    root: Path, tmp: Path, final: Path, step: int, world: int, has_scaler: bool, mode, keep_last: int, fmt: str
+) -> None:
+    files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
     for name in files:
         with open(tmp / name, "rb+") as f:
             os.fsync(f.fileno())
+    for sub in {(tmp / name).parent for name in files}:
+        _fsync_dir(sub)
     manifest = {
         "schema": SCHEMA,
         "step": step,
         "complete": True,
         "world_size": world,
+        "format": fmt,  # safetensors: replicated weights; dcp: per-rank shards, readable at any world size
         "parts": {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in files},
         "holds": [
-            "trainable weights",
-            "optimizer state",
+            "trainable weights" + (" (DCP shards)" if fmt == "dcp" else ""),
+            "optimizer state" + (" (DCP shards)" if fmt == "dcp" else ""),
             "LR scheduler",
             "RNG per rank (python, numpy, torch, cuda)",
             "training progress",
@@ -241,26 +288,9 @@ def _safe_load(path: Path):
         ) from None
 
 
-def load(path: Path, *, model: nn.Module, optimizer, scheduler, scaler, expect: dict) -> dict:
-    """Load a validated checkpoint into the run's objects; returns its state.json.
-
-    Refuses a checkpoint from another model, mode or incompatible config. Tensors come from
-    safetensors, everything else from torch.load(weights_only=True) mapped to the CPU first, so the
-    optimizer state never passes through the accelerator at full size on top of the live one.
-    """
+def _load_replicated(path: Path, model: nn.Module, optimizer) -> None:
     from safetensors.torch import load_file
 
-    reason = validate(path)
-    if reason is not None:
-        raise CheckpointError(f"checkpoint: {path} is not usable: {reason}")
-    state = json.loads((path / "state.json").read_text())
-    for key, what in (("model_fingerprint", "model"), ("mode", "mode"), ("compat", "config")):
-        if state.get(key) != expect.get(key):
-            raise ConfigError(
-                "checkpoint.resume",
-                f"{path.name} was written for another {what} ({state.get(key)!r} vs this run's {expect.get(key)!r})",
-                "resume with the config that wrote it, or start without --resume",
-            )
     tensors = load_file(str(path / "model.safetensors"), device="cpu")
     own = trainable_state(model)
     if set(tensors) != set(own):
@@ -274,15 +304,75 @@ def load(path: Path, *, model: nn.Module, optimizer, scheduler, scaler, expect: 
         for name, t in tensors.items():
             live[name].copy_(t)
     optimizer.load_state_dict(_safe_load(path / "optimizer.pt"))
+
+
+def _load_dcp(path: Path, model: nn.Module, optimizer) -> None:
+    """Read DCP shards into this run's own layout: each rank reads only the pieces it holds, in
+    place, so the optimizer state never exists twice; a different world size reshards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    sd = _dcp_state(model, optimizer)
+    try:
+        with _single_process_ok():
+            dcp.load(sd, checkpoint_id=str(path / "dcp"))
+    except Exception as e:  # DCP raises CheckpointException with per-rank tracebacks
+        first = str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            "checkpoint.resume",
+            f"{path.name} does not fit this model ({first})",
+            "resume with the config that wrote it",
+        ) from None
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=sd["model"],
+        optim_state_dict=sd["optimizer"],
+        # not strict: the frozen base is not in the checkpoint. Every trainable tensor is: dcp.load
+        # above fails on any key of this run's state that the checkpoint lacks.
+        options=StateDictOptions(ignore_frozen_params=True, strict=False),
+    )
+
+
+def load(path: Path, *, model: nn.Module, optimizer, scheduler, scaler, expect: dict, sharded: bool = False) -> dict:
+    """Load a validated checkpoint into the run's objects; returns its state.json.
+
+    Refuses a checkpoint from another model, mode or incompatible config. Tensors come from
+    safetensors, everything else from torch.load(weights_only=True) mapped to the CPU first, so the
+    optimizer state never passes through the accelerator at full size on top of the live one.
+    """
+    reason = validate(path)
+    if reason is not None:
+        raise CheckpointError(f"checkpoint: {path} is not usable: {reason}")
+    state = json.loads((path / "state.json").read_text())
+    for key, what in (("model_fingerprint", "model"), ("mode", "mode"), ("compat", "config")):
+        if state.get(key) != expect.get(key):
+            raise ConfigError(
+                "checkpoint.resume",
+                f"{path.name} was written for another {what} ({state.get(key)!r} vs this run's {expect.get(key)!r})",
+                "resume with the config that wrote it, or start without --resume",
+            )
+    if state.get("format", "safetensors") == "dcp":
+        _load_dcp(path, model, optimizer)
+    elif sharded:
+        raise ConfigError(
+            "checkpoint.resume",
+            f"{path.name} holds replicated weights (written by ddp/zero1); this run shards them with FSDP",
+            "resume it with parallel.strategy = ddp or zero1",
+        )
+    else:
+        _load_replicated(path, model, optimizer)
     scheduler.load_state_dict(_safe_load(path / "scheduler.pt"))
     if scaler is not None:
         scaler.load_state_dict(_safe_load(path / "scaler.pt"))
     rank, world = _rank_world()
     notes = []
     if state.get("world_size", 1) != world:
+        moved = "resharded through DCP" if state.get("format") == "dcp" else "loaded on every rank"
         notes.append(
-            f"written by {state.get('world_size', 1)} rank(s), resumed on {world}: data order and RNG "
-            "streams differ from the original run, so continuation is not exact"
+            f"written by {state.get('world_size', 1)} rank(s), resumed on {world}: weights and optimizer state "
+            f"{moved}; the data continues from the same global position, but RNG streams (dropout) and "
+            "the order of gradient reductions differ, so continuation is close, not bitwise exact"
         )
     rng_file = path / f"rng-rank{rank}.pt"
     if rng_file.is_file():

@@ -185,7 +185,7 @@ class StatefulSampler:
         return out
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "n": self.n}
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "n": self.n, "world": self.world}
 
     def load_state_dict(self, state: dict) -> None:
         if state["n"] != self.n or state["seed"] != self.seed:
@@ -195,4 +195,8 @@ class StatefulSampler:
                 "resume with the same data and seed",
             )
         self.epoch, self.position = state["epoch"], state["position"]
+        old_world = state.get("world", self.world)
+        if old_world != self.world:  # ranks stride one global permutation: continue at the same global index
+            consumed = state["position"] * old_world
+            self.position = -(-consumed // self.world)  # round up: never replay a sample
         self._order = self._permutation()

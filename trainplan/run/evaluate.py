@@ -16,6 +16,17 @@ from trainplan.run.step import autocast
 from trainplan.spec.precision import Precision
 
 
+def reshard(model: nn.Module) -> None:
+    """Return FSDP2 units to their sharded state after a forward without backward. With
+    reshard_after_forward=False (ZeRO-2-like) nothing else does, and the next forward would reuse
+    the unsharded parameters gathered before the optimizer changed the shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def evaluate(
     model: nn.Module,
     ids: torch.Tensor,
@@ -52,6 +63,7 @@ def evaluate(
             loss_sum += ce.double().cpu()
             correct += ((logits.argmax(-1) == target) & mask).sum().double().cpu()
             count += mask.sum().double().cpu()
+    reshard(model)
     if all_reduce is not None:
         loss_sum, correct, count = (all_reduce(t) for t in (loss_sum, correct, count))
     model.train(was_training)

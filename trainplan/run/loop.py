@@ -79,6 +79,12 @@ def prepare(cfg: C.RunConfig, env: dist.DistEnv):
             "the training engine runs data parallelism (DDP, ZeRO-1, FSDP2) only",
             "set parallel.tp = 1 and parallel.pp = 1 for `trainplan train`",
         )
+    if r.dims.strategy == "zero2":
+        raise ConfigError(
+            "parallel.strategy",
+            "zero2 (DeepSpeed's replicated parameters, sharded gradients) is planned but not run by this engine",
+            "use parallel.strategy = fsdp-grad-op (FSDP2 without resharding, ZeRO-2-like) or zero3",
+        )
     torch.manual_seed(cfg.train.seed)
     tokenizer = models.load_tokenizer(cfg, r.spec)
     docs = data.load_documents(cfg.data.source)
@@ -237,21 +243,28 @@ def _generate(model, tokenizer, env: dist.DistEnv, prompt: str = "def fibonacci(
     return {"prompt": prompt, "completion": tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)}
 
 
+FINGERPRINT_LIMIT = 4 << 30  # hashing gathers every trainable tensor on every rank: small runs only
+
+
+def _state_hashes(model, optimizer) -> dict:
+    """Hashes of the whole trainable weights and optimizer state, independent of the sharding."""
+    base = getattr(model, "module", model)
+    size = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
+    if size > FINGERPRINT_LIMIT:
+        return {"weights_hash": None, "optimizer_hash": None}
+    opt_hash = None if hasattr(optimizer, "consolidate_state_dict") else checkpoint.optimizer_hash(optimizer)
+    return {
+        "weights_hash": checkpoint.tensor_hash(sorted(checkpoint.trainable_state(base).items())),
+        "optimizer_hash": opt_hash,
+    }
+
+
 def _fingerprints(model, optimizer, sampler: data.StatefulSampler, batch) -> dict:
     """What a resumed run must reproduce: weights, optimizer state, and the next batch's samples."""
     import copy
 
-    base = getattr(model, "module", model)
     upcoming = copy.deepcopy(sampler).take(batch.micro_batch_size * batch.grad_accum_steps)
-    if not hasattr(optimizer, "consolidate_state_dict"):
-        opt_hash = checkpoint.optimizer_hash(optimizer)
-    else:
-        opt_hash = None  # ZeRO-1 shards the state across ranks
-    return {
-        "weights_hash": checkpoint.tensor_hash(sorted(checkpoint.trainable_state(base).items())),
-        "optimizer_hash": opt_hash,
-        "next_batch": upcoming,
-    }
+    return {**_state_hashes(model, optimizer), "next_batch": upcoming}
 
 
 class _Checkpoints:
@@ -260,17 +273,12 @@ class _Checkpoints:
     def __init__(self, cfg: C.RunConfig, out_dir: Path, env: dist.DistEnv, r) -> None:
         self.cfg, self.env = cfg, env
         self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
-        saves = cfg.checkpoint.every and cfg.checkpoint.every <= cfg.train.steps
-        if (saves or cfg.checkpoint.resume) and r.dims.shards_params:
-            raise ConfigError(
-                "checkpoint",
-                "FSDP checkpoints (DCP shards) are not supported yet",
-                "use parallel.strategy = ddp or zero1 with checkpoints, or set checkpoint.every = 0",
-            )
+        # FSDP2 strategies write DCP shards, readable at any world size (one process included)
+        self.sharded = cfg.parallel.strategy in ("zero3", "fsdp-grad-op")
         self.expect = {
             "model_fingerprint": _model_fingerprint(r.spec, cfg),
             "mode": cfg.mode,
-            "compat": _compat(cfg),
+            "compat": _compat(cfg, r),
         }
 
     def save(self, step_no, model, optimizer, scheduler, scaler, sampler, tokens_seen) -> None:
@@ -290,6 +298,7 @@ class _Checkpoints:
             scaler=scaler,
             state=state,
             keep_last=self.cfg.checkpoint.keep_last,
+            sharded=self.sharded,
         )
 
     def maybe_resume(self, model, optimizer, scheduler, scaler, sampler, record) -> tuple[int, int]:
@@ -318,8 +327,10 @@ class _Checkpoints:
             scheduler=scheduler,
             scaler=scaler,
             expect=self.expect,
+            sharded=self.sharded,
         )
         sampler.load_state_dict(state["sampler"])
+        record["resume"]["loaded"] = _state_hashes(model, optimizer)
         for note in state["notes"]:
             if self.env.is_main:
                 print(f"trainplan train: resume: {note}", file=sys.stderr)
@@ -336,8 +347,9 @@ def _model_fingerprint(spec, cfg: C.RunConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _compat(cfg: C.RunConfig) -> str:
-    """Settings a resumed run must share with the run that wrote the checkpoint."""
+def _compat(cfg: C.RunConfig, r) -> str:
+    """Settings a resumed run must share with the run that wrote the checkpoint. The global batch,
+    not its split into ranks x micro-batch x accumulation, so a run can resume on another world size."""
     import hashlib
 
     d = cfg.to_dict()
@@ -347,8 +359,7 @@ def _compat(cfg: C.RunConfig) -> str:
         "optim": d["optim"],
         "data": d["data"],
         "seed": d["train"]["seed"],
-        "seq_len": d["batch"]["seq_len"],
-        "micro_batch_size": d["batch"]["micro_batch_size"],
-        "grad_accum_steps": d["batch"]["grad_accum_steps"],
+        "seq_len": r.batch.seq_len,
+        "global_batch_size": r.batch.global_batch_size,
     }
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]

@@ -21,9 +21,11 @@ def _train(args: list[str], out: Path, *extra: str, nproc: int = 1) -> dict:
     cmd = [*launcher, "-m", "trainplan", "train", *args, "--set", f"train.output_dir={str(out)!r}", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "torch.distributed" not in ln]
+        cause = [ln for ln in lines if ln.startswith(("trainplan ", "contract")) or "Error" in ln]
         raise RuntimeError(
-            f"run failed ({' '.join(extra) or 'uninterrupted'}): "
-            + (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            f"run failed ({' '.join(extra) or 'uninterrupted'}, exit {proc.returncode}): "
+            + ((cause or lines or ["no output"])[-1]).strip()
         )
     return json.loads((out / "record.json").read_text())
 
