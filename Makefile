@@ -12,14 +12,20 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
-.PHONY: install demo test lint bench
+.PHONY: install demo test lint bench browser
 install: $(VENV)/.installed
+
+# A test renders accept's HTML report in headless Chromium, from Debian's packages.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; } >/dev/null 2>&1 || \
+		echo "warning: could not install chromium; the HTML render test needs it"
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/trainplan plan examples/demo-lora.toml
 	$(VENV)/bin/trainplan train examples/demo-lora.toml
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed browser
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.installed

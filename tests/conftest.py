@@ -3,6 +3,20 @@ import pytest
 from trainplan import config as C
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _registry(tmp_path_factory):
+    """Runs made by the tests go to a registry of their own, never the user's."""
+    import os
+
+    old = os.environ.get("TRAINPLAN_REGISTRY")
+    os.environ["TRAINPLAN_REGISTRY"] = str(tmp_path_factory.mktemp("registry") / "runs.sqlite")
+    yield
+    if old is None:
+        os.environ.pop("TRAINPLAN_REGISTRY", None)
+    else:
+        os.environ["TRAINPLAN_REGISTRY"] = old
+
+
 @pytest.fixture
 def make_cfg():
     """A RunConfig from key=value settings, through the same path as the CLI's --set."""

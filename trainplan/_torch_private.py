@@ -144,6 +144,8 @@ class StorageTracker(TorchDispatchMode):
         self._in_optimizer = False
         self._handles: list = []
         self._params: list[torch.nn.Parameter] = []
+        self.phase = ""  # set by the caller at phase boundaries; stamped on each new storage
+        self.retagged: list[tuple[int, str, str, str, str]] = []  # (nbytes, born in, retagged in, from, to)
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _add(self, t: torch.Tensor, category: str) -> None:
@@ -152,12 +154,13 @@ class StorageTracker(TorchDispatchMode):
         entry = self._live.get(key)
         if entry is not None:
             if category in ("params", "grads", "optimizer", "buffers", "inputs") and entry[0] != category:
+                self.retagged.append((entry[1], entry[2], self.phase, entry[0], category))
                 self.totals[entry[0]] -= entry[1]
                 self.totals[category] += entry[1]
                 entry[0] = category
             return
         nbytes = st.nbytes()
-        self._live[key] = [category, nbytes]
+        self._live[key] = [category, nbytes, self.phase]
         self.totals[category] += nbytes
         self.total += nbytes
         weakref.finalize(st, self._free, key)
@@ -190,8 +193,9 @@ class StorageTracker(TorchDispatchMode):
             self._add(p.grad, "grads")
 
     def _tag_optimizer(self, optimizer) -> None:
-        for state in optimizer.state.values():
-            for v in state.values():
+        inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's shard
+        for state in inner.state.values():
+            for v in state.values() if isinstance(state, dict) else ():
                 if isinstance(v, torch.Tensor):
                     self._add(v, "optimizer")
 
@@ -243,7 +247,7 @@ class StorageTracker(TorchDispatchMode):
             out = original(st, size)
             entry = tracker._live.get(id(st))
             if entry is None and size > 0:
-                tracker._live[id(st)] = entry = ["activations", 0]
+                tracker._live[id(st)] = entry = ["activations", 0, tracker.phase]
                 weakref.finalize(st, tracker._free, id(st))
             if entry is not None and entry[1] != st.nbytes():
                 delta = st.nbytes() - entry[1]

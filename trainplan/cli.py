@@ -136,6 +136,21 @@ def _plan_run(args: argparse.Namespace) -> int:
     return ledger.exit_code
 
 
+# ---- advise -------------------------------------------------------------------------------
+
+
+def _advise_args(p: argparse.ArgumentParser) -> None:
+    from trainplan.advise.command import add_args
+
+    add_args(p)
+
+
+def _advise_run(args: argparse.Namespace) -> int:
+    from trainplan.advise.command import run
+
+    return run(args)
+
+
 # ---- trace --------------------------------------------------------------------------------
 
 
@@ -201,21 +216,32 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
     p.add_argument("--data", default=None, help='training text: "default" (Python docs), .txt, dir of .txt, .jsonl')
     p.add_argument("--output-dir", default=None, help="where record.json goes (train.output_dir)")
+    p.add_argument(
+        "--registry",
+        default=None,
+        help="run registry (SQLite) path; default $TRAINPLAN_REGISTRY or "
+        "~/.cache/trainplan/runs.sqlite; 'off' records nothing",
+    )
 
 
-def _train_run(args: argparse.Namespace) -> int:
+def _quiet_libraries() -> None:
     import warnings
 
     import transformers
-
-    from trainplan.run import dist, loop
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
 
+
+def _train_run(args: argparse.Namespace) -> int:
     from trainplan.config import toml_literal
+    from trainplan.run import dist, loop
+
+    _quiet_libraries()
+    if args.registry:
+        os.environ["TRAINPLAN_REGISTRY"] = args.registry
 
     for flag, key in (("steps", "train.steps"), ("data", "data.source"), ("output_dir", "train.output_dir")):
         if getattr(args, flag) is not None:
@@ -287,11 +313,129 @@ def _verify_resume_run(args: argparse.Namespace) -> int:
     return 0 if result["passed"] else 1
 
 
+# ---- accept ---------------------------------------------------------------------------------
+
+
+def _accept_args(p: argparse.ArgumentParser) -> None:
+    add_config_args(p)
+    p.add_argument("--output-dir", default="runs/accept", help="where the run and the reports go")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        help="memory check: allowed |plan - measured|, as a fraction of each device's measured peak (default 0.05)",
+    )
+    p.add_argument("--resume-steps", type=int, default=4, help="resume check: N uninterrupted steps")
+    p.add_argument("--resume-at", type=int, default=2, help="resume check: stop and checkpoint at k")
+    p.add_argument("--overfit-steps", type=int, default=6, help="step check: steps on one fixed batch")
+    p.add_argument("--nproc", type=int, default=1, help="ranks for the run (torchrun --standalone)")
+    p.add_argument("--registry", default=None, help="run registry (SQLite) path; 'off' records nothing")
+    p.add_argument(
+        "--perturb-plan",
+        action="append",
+        default=[],
+        metavar="COMPONENT=FACTOR",
+        help="test hook: scale one plan component (e.g. activations=0.5) to see the memory check fail",
+    )
+
+
+def _accept_run(args: argparse.Namespace) -> int:
+    from trainplan import accept, registry, report
+    from trainplan.config import load
+
+    _quiet_libraries()
+    if args.registry:
+        os.environ["TRAINPLAN_REGISTRY"] = args.registry
+    perturb = {}
+    for item in args.perturb_plan:
+        comp, _, factor = item.partition("=")
+        try:
+            perturb[comp.strip()] = float(factor)
+        except ValueError:
+            raise TrainplanError(f"--perturb-plan: {item!r} is not COMPONENT=FACTOR; e.g. activations=0.5") from None
+    if not 0 < args.tolerance < 1:
+        raise TrainplanError(f"--tolerance: must be in (0, 1) (got {args.tolerance}); e.g. 0.05")
+    if not 0 < args.resume_at < args.resume_steps:
+        raise TrainplanError(f"--resume-at: must be between 1 and {args.resume_steps - 1}; choose k < N")
+    if args.overfit_steps < 2:
+        raise TrainplanError("--overfit-steps: needs at least 2 steps to see the loss fall; e.g. 6")
+    defaults = [] if args.config else list(accept.DEFAULT_SETTINGS)
+    cfg = load(args.config, [*defaults, *args.set], settings_from_args(args))
+    out = Path(args.output_dir)
+    result = accept.accept(
+        cfg,
+        out_dir=out,
+        tolerance=args.tolerance,
+        perturb=perturb,
+        resume_steps=args.resume_steps,
+        resume_at=args.resume_at,
+        overfit_steps=args.overfit_steps,
+        nproc=args.nproc,
+    )
+    rec = dict(result["record"], memory=result["memory"])
+    try:
+        row = registry.row_from_record(rec, kind="accept", verdict=result["verdict"], device=result["device_name"])
+        result["registry_id"] = registry.add(row)
+    except Exception as e:  # the acceptance ran; a registry that cannot be written is a warning
+        print(f"trainplan accept: warning: run not registered ({type(e).__name__}: {e})", file=sys.stderr)
+    write_atomic(out / "accept.json", json.dumps(result, indent=1, default=str))
+    write_atomic(out / "accept.md", report.render_markdown(result))
+    write_atomic(out / "accept.html", report.render_html(result))
+    by_key = {c["key"]: c for c in result["checks"]}
+    print(f"trainplan accept: {result['verdict']} ({result['seconds']:.0f} s)")
+    for f in result["failing"]:
+        print(f"  FAIL  {f}")
+    for key in result["order"]:
+        c = by_key[key]
+        status = "n/a " if c["passed"] is None else ("ok  " if c["passed"] else "FAIL")
+        print(f"  {status}  {c['name']}: {c['summary']}")
+    print(f"reports: {out / 'accept.json'}, {out / 'accept.md'}, {out / 'accept.html'}")
+    return 0 if result["verdict"] == "PASS" else 1
+
+
+# ---- runs -----------------------------------------------------------------------------------
+
+
+def _runs_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=("list", "show", "compare"), help="list | show ID | compare A B")
+    p.add_argument("ids", nargs="*", type=int, help="run ids (from `trainplan runs list`)")
+    p.add_argument(
+        "--registry", default=None, help="registry path (default $TRAINPLAN_REGISTRY or ~/.cache/trainplan/runs.sqlite)"
+    )
+    p.add_argument("--json", action="store_true")
+
+
+def _runs_run(args: argparse.Namespace) -> int:
+    from trainplan import registry
+
+    db = registry.path(args.registry)
+    want = {"list": 0, "show": 1, "compare": 2}[args.action]
+    if len(args.ids) != want:
+        raise TrainplanError(
+            f"runs {args.action}: takes {want} run id(s), got {len(args.ids)}; `trainplan runs list` shows the ids"
+        )
+    if args.action == "list":
+        items = registry.rows(db)
+        print(json.dumps(items, indent=1) if args.json else registry.render_list(items))
+    elif args.action == "show":
+        item = registry.get(args.ids[0], db)
+        print(json.dumps(item, indent=1) if args.json else registry.render_show(item))
+    else:
+        a, b = (registry.get(i, db) for i in args.ids)
+        print(json.dumps([a, b], indent=1) if args.json else registry.render_compare(a, b))
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "plan": Command(
         "per-device memory ledger: will it fit, on each device, and why (exit 0 fits, 1 not, 2 bad input)",
         _plan_args,
         _plan_run,
+    ),
+    "advise": Command(
+        "search the memory ladder for configurations that fit every device, ranked, with estimated step time",
+        _advise_args,
+        _advise_run,
     ),
     "train": Command(
         "run the job for real: full, lora, qlora (CUDA) or inference; single process or under torchrun",
@@ -302,6 +446,17 @@ COMMANDS: dict[str, Command] = {
         "prove that resuming continues the same run: uninterrupted vs stopped at k and resumed, compared",
         _verify_resume_args,
         _verify_resume_run,
+    ),
+    "accept": Command(
+        "the acceptance run: mode contract, memory plan vs measured per device, step, quality, resume, "
+        "instability; one verdict and JSON / Markdown / HTML reports",
+        _accept_args,
+        _accept_run,
+    ),
+    "runs": Command(
+        "the run registry: list | show ID | compare A B",
+        _runs_args,
+        _runs_run,
     ),
     "trace": Command(
         "the exact plan: run the real model step on fake tensors and compare it with the analytic ledger",

@@ -97,12 +97,18 @@ class TrainConfig:
     eval_batches: int = 8  # micro-batches of held-out data per evaluation; 0: the whole split
     output_dir: str = "runs/latest"
     stop_after: int = 0  # stop after this many steps without changing the schedule (an interruption)
+    measure_memory: bool = True  # measure one real step per phase and device (the run's second step)
+    overfit_batches: int = 0  # >0: every step reuses these first micro-batches (the overfit check)
 
     def __post_init__(self) -> None:
         _positive_int("train", "steps", self.steps)
-        for name in ("seed", "warmup_steps", "eval_every", "eval_batches", "stop_after"):
+        for name in ("seed", "warmup_steps", "eval_every", "eval_batches", "stop_after", "overfit_batches"):
             _positive_int("train", name, getattr(self, name), minimum=0)
         _choice("train", "schedule", self.schedule, SCHEDULES)
+        if not isinstance(self.measure_memory, bool):
+            raise ConfigError(
+                "train.measure_memory", f"must be true or false (got {self.measure_memory!r})", "write true or false"
+            )
         if (
             isinstance(self.max_grad_norm, bool)
             or not isinstance(self.max_grad_norm, int | float)

@@ -175,3 +175,18 @@ def test_qlora_cannot_be_traced_and_says_why(tiny_dir):
     cfg = C.load(None, [f"model.source={tiny_dir / 'tiny.json'}", "hardware.gpus=H100-80GB", "mode=qlora"])
     with pytest.raises(TrainplanError, match="run.mode: qlora needs bitsandbytes"):
         traced.trace(cfg)
+
+
+def test_fp32_inference_logits_are_not_upcast(tmp_path, tiny_llama):
+    """In fp32, `logits.float()` is the same tensor: the loss moment holds logits and log-softmax
+    only. (A vocabulary 16x the hidden size, as in real models, so the loss moment is the peak.)"""
+    model = tmp_path / "wide.json"
+    model.write_text(json.dumps({**tiny_llama, "vocab_size": 4096}))
+    cfg = C.load(
+        None,
+        [f"model.source={model}", "hardware.gpus=cpu", "batch.seq_len=32", "batch.micro_batch_size=2"]
+        + ["precision=fp32", "mode=inference"],
+    )
+    result, _ = traced.trace(cfg)
+    led = analytic.plan(cfg).devices[0]
+    assert abs(led.phase_total("inference") - result.peak_bytes) <= 0.003 * result.peak_bytes

@@ -160,6 +160,19 @@ def _numel(shape: tuple[int, ...]) -> int:
 # ---- optimizer -------------------------------------------------------------------------------
 
 
+def zero1_partition(shapes: list[tuple[int, ...]], world: int) -> list[list[tuple[int, ...]]]:
+    """Which tensors' optimizer states each rank holds under torch's ZeroRedundancyOptimizer:
+    largest first, each to the rank with the fewest elements so far (not an even split: one large
+    embedding can put most of the states on one rank)."""
+    parts: list[list[tuple[int, ...]]] = [[] for _ in range(world)]
+    sizes = [0] * world
+    for shape in sorted(shapes, key=_numel, reverse=True):
+        i = sizes.index(min(sizes))
+        parts[i].append(shape)
+        sizes[i] += _numel(shape)
+    return parts
+
+
 def optimizer_state_bytes(name: str, shapes: list[tuple[int, ...]], state_bytes: int, cpu: bool) -> int:
     """Optimizer state for the trainable tensors `shapes`.
 
@@ -251,7 +264,8 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     frozen = [] if full else held
     quantized = [t for t in frozen if mode == "qlora" and t.role in ("linear", "expert")]
     w_quant = int(sum(_sharded_numel(t, tp, shard_w) for t in quantized) * (NF4_BYTES + NF4_CONSTANTS_BYTES))
-    w_frozen = sum(_sharded_numel(t, tp, shard_w) for t in frozen if t not in quantized) * prec.frozen_bytes
+    not_quantized = [t for t in frozen if t.role not in ("linear", "expert")] if quantized else frozen
+    w_frozen = sum(_sharded_numel(t, tp, shard_w) for t in not_quantized) * prec.frozen_bytes
     weights = w_train + w_frozen + w_quant
     n_held = sum(_tp_numel(t, tp) for t in held)
     dtype_note = {4: "fp32", 2: prec.compute_dtype}
@@ -271,7 +285,11 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     # weight copies
     copies_fwd = copies_bwd = 0
     if fsdp:
-        units = [sum(_tp_numel(t, tp) for t in held if t.layer == i) for i in layers]
+        per_layer_numel: dict[int, int] = {}  # one pass over the tensors, not one per layer
+        for t in held:
+            if t.layer is not None:
+                per_layer_numel[t.layer] = per_layer_numel.get(t.layer, 0) + _tp_numel(t, tp)
+        units = [per_layer_numel.get(i, 0) for i in layers]
         root = sum(_tp_numel(t, tp) for t in held if t.layer is None)
         if dims.strategy == "zero3":
             # The root unit (embedding, final norm, head) stays gathered from the first layer to the
@@ -311,7 +329,12 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     n_adapter = sum(_numel(s) for s in lora_shapes)
     adapter_w = -(-n_adapter // shard_w) * 4
     adapter_g = -(-n_adapter // shard_g) * 4
-    adapter_o = optimizer_state_bytes(cfg.optim.name, lora_shapes, 4, cpu) // shard_o
+    _, dp_i, _ = dims.coords(rank)
+    zero1 = dims.strategy == "zero1" and dp > 1  # the engine's ZeroRedundancyOptimizer partition
+    if zero1:
+        shard_o = 1
+    lora_o_shapes = zero1_partition(lora_shapes, dp)[dp_i] if zero1 else lora_shapes
+    adapter_o = optimizer_state_bytes(cfg.optim.name, lora_o_shapes, 4, cpu) // shard_o
     adapter_copy = n_adapter * cb if prec.autocast else 0
     if lora:
         explain["adapter"] = (
@@ -321,12 +344,12 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
 
     # gradients and optimizer
     grads = sum(_sharded_numel(t, tp, shard_g) for t in trainable) * prec.grad_bytes
-    shapes = train_shapes
+    shapes = zero1_partition(train_shapes, dp)[dp_i] if zero1 else train_shapes
     opt = optimizer_state_bytes(cfg.optim.name, shapes, prec.state_bytes, cpu) // shard_o if full else 0
     impl = cfg.optim.implementation
     if impl == "auto":
         impl = "for-loop" if cpu else "foreach"
-    opt_temp_shapes = shapes if full else lora_shapes
+    opt_temp_shapes = shapes if full else lora_o_shapes
     opt_temp = optimizer_temp_bytes(cfg.optim.name, impl, opt_temp_shapes, prec.state_bytes if full else 4) // shard_o
     if full:
         explain["gradients"] = f"{prec.grad_bytes} B per trainable param" + (
@@ -335,6 +358,12 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         explain["optimizer"] = f"{cfg.optim.name} states in {dtype_note[prec.state_bytes]}" + (
             f" / {shard_o} shards" if shard_o > 1 else ""
         )
+        if zero1:
+            mine = sum(_numel(t) for t in shapes)
+            explain["optimizer"] += (
+                f" of the {len(shapes)} tensors ({mine / 1e6:,.1f}M params) ZeroRedundancyOptimizer gives "
+                f"rank {dp_i}: largest first, to the least-loaded rank"
+            )
     explain["optimizer_temp"] = f"{impl} {cfg.optim.name} step temporaries"
     persistent_grads = dims.strategy in ("ddp", "zero1", "zero2") or batch.grad_accum_steps > 1
     if persistent_grads and full:
@@ -612,7 +641,8 @@ def _inference_ledger(
     inputs = 2 * tokens * 8
     layer = 3 * tokens * h * cb + 3 * tokens * inter * cb
     vocab = -(-spec.vocab_size // tp)
-    loss = tokens * h * cb + tokens * vocab * (cb + 4 + 4) + batch.micro_batch_size * (2 * batch.seq_len + 1) * 8
+    upcast = 4 if cb != 4 else 0  # logits.float() is a no-op on fp32 logits
+    loss = tokens * h * cb + tokens * vocab * (cb + upcast + 4) + batch.micro_batch_size * (2 * batch.seq_len + 1) * 8
     if last and loss >= layer:
         transient, logits = tokens * h * cb + inputs, loss - tokens * h * cb
     else:
@@ -625,7 +655,7 @@ def _inference_ledger(
         "the batch and the working set of the widest moment (nothing is saved under inference_mode)"
     )
     if last:
-        explain["logits_loss"] = "logits over the evaluated tokens, their fp32 upcast and log-softmax"
+        explain["logits_loss"] = "logits over the evaluated tokens, their fp32 upcast (none in fp32) and log-softmax"
     phases = {
         "inference": {
             "weights": weights,
@@ -680,8 +710,9 @@ def plan(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Ledger:
     cache: dict[tuple, DeviceLedger] = {}
     ledgers = []
     for rank, device in enumerate(r.devices):
-        stage, _, _ = r.dims.coords(rank)
-        key = (stage, device)
+        stage, dp_i, _ = r.dims.coords(rank)
+        # ZeRO-1's partition is uneven: each data-parallel rank has its own bill
+        key = (stage, device, dp_i if r.dims.strategy == "zero1" else 0)
         if key not in cache:
             cache[key] = _rank_ledger(r, rank)
         proto = cache[key]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import resource
 import time
 from dataclasses import dataclass, field
@@ -71,7 +72,7 @@ def _check_traceable(r: analytic.Resolved) -> None:
         )
 
 
-def _to_components(raw: dict[str, int], *, adapter_params: int, states: int, lora: bool, phase: str) -> dict[str, int]:
+def to_components(raw: dict[str, int], *, adapter_params: int, states: int, lora: bool, phase: str) -> dict[str, int]:
     """Tracker categories -> ledger components. LoRA's params/grads/states are exactly known, so
     they move to the adapter row; in the optimizer phase, what exceeds the states is temporary.
     FSDP's all-gathered parameters and reduce-scatter buffers count as activations here."""
@@ -169,6 +170,7 @@ def trace(
             tokens = micro_steps * batch.micro_batch_size * (batch.seq_len - 1) * world
             run_traced(tracker, model, optimizer, micro_batches, tokens)
             trainable = [p for p in model.parameters() if p.requires_grad]
+            shapes[:] = [tuple(p.shape) for p in trainable]
             adapter_params = sum(_local_nbytes(p) for p in trainable) if cfg.mode == "lora" else 0
             states = (
                 sum(
@@ -182,6 +184,7 @@ def trace(
             )
         return adapter_params, states
 
+    shapes: list[tuple[int, ...]] = []
     if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -192,7 +195,7 @@ def trace(
 
     lora = cfg.mode == "lora"
     comps = {
-        ph: _to_components(raw, adapter_params=adapter_params, states=states, lora=lora, phase=ph)
+        ph: to_components(raw, adapter_params=adapter_params, states=states, lora=lora, phase=ph)
         for ph, raw in phases.items()
     }
     rows = {c: "traced" for ph in comps.values() for c in ph}
@@ -202,7 +205,7 @@ def trace(
         f"{micro_steps} micro-batch(es) per step, measured on the second step"
     ]
     if not fsdp and dims.strategy in ("ddp", "zero1", "zero2") and cfg.mode != "inference":
-        _derive_data_parallel(comps, rows, dims, r)
+        _derive_data_parallel(comps, rows, dims, r, shapes)
         notes.append(f"{dims.strategy} rows derived from the single-rank trace (dp {dims.dp})")
     if target == "cuda":
         notes.append(
@@ -226,9 +229,14 @@ def _local_nbytes(t) -> int:
     return local.numel() * local.element_size()
 
 
-def _derive_data_parallel(comps: dict[str, dict[str, int]], rows: dict[str, str], dims, r) -> None:
-    """DDP keeps gradients in its buckets; ZeRO-1 shards optimizer state; ZeRO-2 also gradients."""
+def _derive_data_parallel(comps: dict[str, dict[str, int]], rows: dict[str, str], dims, r, shapes) -> None:
+    """DDP keeps gradients in its buckets; ZeRO-1 shards optimizer state (rank 0's share of
+    ZeroRedundancyOptimizer's partition); ZeRO-2 also gradients (evenly)."""
     dp = dims.dp
+    total = sum(math.prod(s) for s in shapes)
+    share = 1 / dp
+    if dims.strategy == "zero1" and total:
+        share = sum(math.prod(s) for s in analytic.zero1_partition(shapes, dp)[0]) / total
     grads = comps["optimizer"].get("gradients", 0)
     for ph in ("forward", "backward"):
         if dims.strategy in ("ddp", "zero1"):
@@ -240,8 +248,8 @@ def _derive_data_parallel(comps: dict[str, dict[str, int]], rows: dict[str, str]
         for ph in comps:
             for c in ("optimizer", "optimizer_temp"):
                 if c in comps[ph]:
-                    comps[ph][c] = -(-comps[ph][c] // dp)
-        rows["optimizer"] = f"derived: {dims.strategy} shards optimizer state over dp {dp}"
+                    comps[ph][c] = math.ceil(comps[ph][c] * share)
+        rows["optimizer"] = f"derived: {dims.strategy} shards optimizer state over dp {dp} (rank 0: {share:.1%})"
     if dims.strategy == "zero2":
         comps["optimizer"]["gradients"] = -(-grads // dp)
         comps["backward"]["comm_buffers"] = min(ZERO2_BUCKET_BYTES, grads)

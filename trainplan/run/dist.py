@@ -29,6 +29,14 @@ class DistEnv:
         dist.all_reduce(out)
         return out.cpu()
 
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order (on every rank)."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
 
 def init() -> DistEnv:
     """Join the torchrun job if there is one (WORLD_SIZE > 1), else a single process."""

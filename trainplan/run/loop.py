@@ -6,6 +6,7 @@ train CONFIG.toml` runs it on N ranks (gloo on CPU, NCCL on GPU).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -20,7 +21,7 @@ import torch
 from trainplan import config as C
 from trainplan.errors import ConfigError
 from trainplan.plan import analytic
-from trainplan.run import checkpoint, contract, data, dist, evaluate, models, step
+from trainplan.run import checkpoint, contract, data, dist, evaluate, measure, models, step
 
 
 def _device_label(env: dist.DistEnv) -> str:
@@ -103,8 +104,10 @@ def prepare(cfg: C.RunConfig, env: dist.DistEnv):
     return cfg, r, tokenizer, (train_docs, eval_docs), (train_ids, train_labels), (eval_ids, eval_labels), model
 
 
-def run(cfg: C.RunConfig, *, quiet: bool = False) -> dict:
-    """Run the job described by cfg; returns the run record (also written to train.output_dir)."""
+def run(cfg: C.RunConfig, *, quiet: bool = False, register: bool = True) -> dict:
+    """Run the job described by cfg; returns the run record (also written to train.output_dir).
+
+    register: add the run to the run registry (trainplan/registry.py)."""
     env = dist.init()
     t_start = time.perf_counter()
     cfg, r, tokenizer, (train_docs, eval_docs), (train_ids, train_labels), (eval_ids, eval_labels), model = prepare(
@@ -155,6 +158,13 @@ def run(cfg: C.RunConfig, *, quiet: bool = False) -> dict:
     record["eval_before"] = run_eval()
     optimizer = None
     if mode == "inference":
+        if cfg.train.measure_memory:  # one real forward, as the plan's inference phase
+            mb = {"input_ids": eval_ids[: batch.micro_batch_size].to(env.device)}
+            mb["labels"] = eval_labels[: batch.micro_batch_size].to(env.device)
+            meter = measure.StepMeter(model, None, list(mb.values()), env.device, lora=False)
+            with meter:
+                step.eval_forward(model, mb, prec=prec, device_type=env.device.type, on_phase=meter.on_phase)
+            record["memory"] = {"step": 0, "per_rank": env.gather(meter.result())}
         record["generation"] = _generate(model, tokenizer, env)
     else:
         optimizer = step.build_optimizer(
@@ -171,28 +181,38 @@ def run(cfg: C.RunConfig, *, quiet: bool = False) -> dict:
         sampler = data.StatefulSampler(train_ids.shape[0], seed=cfg.train.seed, rank=env.rank, world=env.world)
         ckpt = _Checkpoints(cfg, out_dir, env, r)
         start, tokens_seen = ckpt.maybe_resume(model, optimizer, scheduler, scaler, sampler, record)
+        fixed = [sampler.take(batch.micro_batch_size) for _ in range(cfg.train.overfit_batches)]
+        measure_at = (start + 1 if cfg.train.steps - start >= 2 else start) if cfg.train.measure_memory else -1
         t_train = time.perf_counter()
         for i in range(start, cfg.train.steps):
             t0 = time.perf_counter()
             micro = []
-            for _ in range(batch.grad_accum_steps):
-                idx = sampler.take(batch.micro_batch_size)
+            for j in range(batch.grad_accum_steps):
+                idx = fixed[j % len(fixed)] if fixed else sampler.take(batch.micro_batch_size)
                 micro.append({"input_ids": train_ids[idx].to(env.device), "labels": train_labels[idx].to(env.device)})
             local_tokens = sum(step.target_tokens(mb) for mb in micro)
             tokens = int(env.all_reduce_sum(torch.tensor(float(local_tokens)))) if env.world > 1 else local_tokens
             lr = scheduler.get_last_lr()[0]
-            res = step.train_step(
-                model,
-                optimizer,
-                micro,
-                prec=prec,
-                device_type=env.device.type,
-                scaler=scaler,
-                max_grad_norm=cfg.train.max_grad_norm,
-                token_count=tokens,
-                grad_scale=float(env.world),
-                scheduler=scheduler,
-            )
+            meter = None
+            if i == measure_at:
+                inputs = [t for mb in micro for t in mb.values()]
+                meter = measure.StepMeter(model, optimizer, inputs, env.device, lora=mode in ("lora", "qlora"))
+            with meter or contextlib.nullcontext():
+                res = step.train_step(
+                    model,
+                    optimizer,
+                    micro,
+                    prec=prec,
+                    device_type=env.device.type,
+                    scaler=scaler,
+                    max_grad_norm=cfg.train.max_grad_norm,
+                    token_count=tokens,
+                    grad_scale=float(env.world),
+                    scheduler=scheduler,
+                    on_phase=meter.on_phase if meter else lambda phase: None,
+                )
+            if meter is not None:
+                record["memory"] = {"step": i + 1, "per_rank": env.gather(meter.result())}
             loss = float(env.all_reduce_sum(res.loss.float().cpu())) if env.world > 1 else float(res.loss)
             norm = res.grad_norm.full_tensor() if hasattr(res.grad_norm, "full_tensor") else res.grad_norm
             dt = time.perf_counter() - t0
@@ -231,9 +251,27 @@ def run(cfg: C.RunConfig, *, quiet: bool = False) -> dict:
     if env.is_main:
         from trainplan.cli import write_atomic
 
+        if register:
+            _register(record, env)
         write_atomic(out_dir / "record.json", json.dumps(record, indent=1))
     record["_env"] = env
     return record
+
+
+def device_name(env: dist.DistEnv) -> str:
+    return torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
+
+
+def _register(record: dict, env: dist.DistEnv) -> None:
+    from trainplan import registry
+
+    verdict = "PASS" if record["contract"]["passed"] else "FAIL"
+    try:
+        record["registry_id"] = registry.add(
+            registry.row_from_record(record, kind="train", verdict=verdict, device=device_name(env))
+        )
+    except Exception as e:  # the run itself succeeded; a registry that cannot be written is a warning
+        print(f"trainplan train: warning: run not registered ({type(e).__name__}: {e})", file=sys.stderr)
 
 
 def _generate(model, tokenizer, env: dist.DistEnv, prompt: str = "def fibonacci(n):", tokens: int = 16) -> dict:

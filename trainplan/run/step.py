@@ -127,24 +127,22 @@ def build_optimizer(
         flags = {"fused": True}
     elif impl == "for-loop":
         flags = {"foreach": False}
-    if zero1 and name == "adamw":  # ZeRO-1: each rank keeps the states of its share of the parameters
+    if name == "adamw":
+        cls, kwargs = torch.optim.AdamW, {"lr": lr, "weight_decay": weight_decay, **flags}
+    elif name in ("sgd", "sgd-momentum"):
+        momentum = 0.9 if name == "sgd-momentum" else 0.0
+        cls = torch.optim.SGD
+        kwargs = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
+        kwargs.update({k: v for k, v in flags.items() if k != "fused"})
+    elif name == "adafactor":
+        cls = torch.optim.Adafactor
+        kwargs = {"lr": lr, "weight_decay": weight_decay, **{k: v for k, v in flags.items() if k == "foreach"}}
+    else:
+        cls = None
+    if cls is not None and zero1:  # ZeRO-1: each rank keeps the states of its share of the parameters
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(
-            params, optimizer_class=torch.optim.AdamW, lr=lr, weight_decay=weight_decay, **flags
-        )
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **flags)
-    if name in ("sgd", "sgd-momentum"):
-        return torch.optim.SGD(
-            params,
-            lr=lr,
-            momentum=0.9 if name == "sgd-momentum" else 0.0,
-            weight_decay=weight_decay,
-            **{k: v for k, v in flags.items() if k != "fused"},
-        )
-    if name == "adafactor":
-        return torch.optim.Adafactor(
-            params, lr=lr, weight_decay=weight_decay, **{k: v for k, v in flags.items() if k == "foreach"}
-        )
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
+    if cls is not None:
+        return cls(params, **kwargs)
     raise TrainplanError(f"optim.name: {name} needs bitsandbytes on CUDA; use adamw on this device")

@@ -4,6 +4,8 @@ Capacities are the `memory.total` that nvidia-smi / rocm-smi report for the card
 is what a process can address before the CUDA context; peak TFLOP/s are dense (no sparsity)
 bf16 tensor-core figures with fp32 accumulation, from the vendors' datasheets. GeForce cards
 run fp32-accumulate at half their fp16-accumulate rate, so their figures are the lower ones.
+Link bandwidth is the nominal GB/s in each direction from one GPU to its peers (NVLink / Infinity
+Fabric total over 2; PCIe x16 where the card has no GPU-to-GPU link), from the same datasheets.
 """
 
 from __future__ import annotations
@@ -28,31 +30,34 @@ class DeviceSpec:
     bf16: bool
     peak_tflops: float | None  # dense bf16 (fp16 where bf16 is missing)
     note: str = ""
+    link_gbps: float | None = None  # GB/s per direction to peer GPUs
 
     @property
     def is_gpu(self) -> bool:
         return self.kind != "cpu"
 
 
-def _gpu(name: str, mib: int, bf16: bool, tflops: float, note: str = "", kind: str = "cuda"):
-    return DeviceSpec(name=name, kind=kind, capacity_bytes=mib * MiB, bf16=bf16, peak_tflops=tflops, note=note)
+def _gpu(name: str, mib: int, bf16: bool, tflops: float, note: str = "", kind: str = "cuda", link: float | None = None):
+    return DeviceSpec(
+        name=name, kind=kind, capacity_bytes=mib * MiB, bf16=bf16, peak_tflops=tflops, note=note, link_gbps=link
+    )
 
 
 CATALOG: dict[str, DeviceSpec] = {
     d.name: d
     for d in (
-        _gpu("A100-40GB", 40960, True, 312.0),
-        _gpu("A100-80GB", 81920, True, 312.0),
-        _gpu("H100-80GB", 81559, True, 989.0, "SXM5"),
-        _gpu("H200-141GB", 143771, True, 989.0),
-        _gpu("L4", 23034, True, 121.0),
-        _gpu("A10G", 23028, True, 70.0),
-        _gpu("RTX3090", 24576, True, 35.6, "fp32 accumulate"),
-        _gpu("RTX4090", 24564, True, 82.6, "fp32 accumulate"),
-        _gpu("V100-16GB", 16384, False, 125.0, "fp16 tensor cores; no bf16"),
-        _gpu("V100-32GB", 32768, False, 125.0, "fp16 tensor cores; no bf16"),
-        _gpu("T4", 15360, False, 65.0, "fp16 tensor cores; no bf16"),
-        _gpu("MI300X", 196608, True, 1307.4, kind="rocm"),
+        _gpu("A100-40GB", 40960, True, 312.0, link=300.0),  # NVLink 3: 600 GB/s
+        _gpu("A100-80GB", 81920, True, 312.0, link=300.0),
+        _gpu("H100-80GB", 81559, True, 989.0, "SXM5", link=450.0),  # NVLink 4: 900 GB/s
+        _gpu("H200-141GB", 143771, True, 989.0, link=450.0),
+        _gpu("L4", 23034, True, 121.0, link=32.0),  # PCIe 4.0 x16: 64 GB/s
+        _gpu("A10G", 23028, True, 70.0, link=32.0),
+        _gpu("RTX3090", 24576, True, 35.6, "fp32 accumulate", link=32.0),
+        _gpu("RTX4090", 24564, True, 82.6, "fp32 accumulate", link=32.0),
+        _gpu("V100-16GB", 16384, False, 125.0, "fp16 tensor cores; no bf16", link=150.0),  # SXM2 NVLink 2
+        _gpu("V100-32GB", 32768, False, 125.0, "fp16 tensor cores; no bf16", link=150.0),
+        _gpu("T4", 15360, False, 65.0, "fp16 tensor cores; no bf16", link=16.0),  # PCIe 3.0 x16
+        _gpu("MI300X", 196608, True, 1307.4, kind="rocm", link=448.0),  # Infinity Fabric: 7 x 128 GB/s
     )
 }
 
@@ -163,6 +168,7 @@ def detect() -> list[DeviceSpec]:
                     bf16=bf16,
                     peak_tflops=tflops,
                     note="detected",
+                    link_gbps=known.link_gbps if known else None,
                 )
             )
         if devices:

@@ -29,7 +29,7 @@ class ParamTensor:
     layer: int | None  # decoder layer index; None for embeddings, final norm, head
     role: str  # embedding | position | linear | bias | norm | router | expert | lm_head
 
-    @property
+    @functools.cached_property  # the planner asks for it many times per plan
     def numel(self) -> int:
         n = 1
         for d in self.shape:

@@ -9,20 +9,22 @@ of the final weights and optimizer state. On the CPU in deterministic mode the m
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 
-def _train(args: list[str], out: Path, *extra: str, nproc: int = 1) -> dict:
+def run_train(args: list[str], out: Path, *extra: str, nproc: int = 1) -> dict:
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     cmd = [*launcher, "-m", "trainplan", "train", *args, "--set", f"train.output_dir={str(out)!r}", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # these are verification runs, not the user's: they stay out of the run registry
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRAINPLAN_REGISTRY": "off"})
     if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "torch.distributed" not in ln]
-        cause = [ln for ln in lines if ln.startswith(("trainplan ", "contract")) or "Error" in ln]
+        lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip() and "torch.distributed" not in ln]
+        cause = [ln for ln in lines if ln.startswith(("trainplan ", "contract (")) and ":" in ln or "Error:" in ln]
         raise RuntimeError(
             f"run failed ({' '.join(extra) or 'uninterrupted'}, exit {proc.returncode}): "
             + ((cause or lines or ["no output"])[-1]).strip()
@@ -38,8 +40,8 @@ def verify(
         raise ValueError(f"--at must be between 1 and {steps - 1} (got {at})")
     base = [*train_args, "--set", f"train.steps={steps}"]
     ckpt = workdir / "checkpoints"
-    full = _train(base, workdir / "uninterrupted", nproc=nproc)
-    _train(
+    full = run_train(base, workdir / "uninterrupted", nproc=nproc)
+    run_train(
         base,
         workdir / "interrupted",
         "--set",
@@ -50,7 +52,7 @@ def verify(
         f"checkpoint.dir={str(ckpt)!r}",
         nproc=nproc,
     )
-    resumed = _train(
+    resumed = run_train(
         base,
         workdir / "resumed",
         "--set",

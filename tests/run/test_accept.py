@@ -1,0 +1,178 @@
+"""`trainplan accept` end to end on a tiny model: six checks, three reports, the registry."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from trainplan import accept, cli, registry
+from trainplan import config as C
+from trainplan.plan import analytic
+from trainplan.report import GROUP_COLORS
+
+pytestmark = pytest.mark.slow
+
+
+def sets(tiny_run, *extra):
+    root, base = tiny_run
+    return [x for item in [*base, *extra] for x in ("--set", item)]
+
+
+@pytest.fixture(scope="module")
+def accepted(tiny_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("accept")
+    db = out / "runs.sqlite"
+    old = os.environ.get("TRAINPLAN_REGISTRY")
+    try:
+        code = cli.main(["accept", *sets(tiny_run, "train.steps=6"), "--output-dir", str(out), "--registry", str(db)])
+    finally:
+        os.environ["TRAINPLAN_REGISTRY"] = old
+    return code, out, db, json.loads((out / "accept.json").read_text())
+
+
+def test_accept_passes_every_check_and_writes_three_reports(accepted):
+    code, out, db, result = accepted
+    assert code == 0 and result["verdict"] == "PASS", result["failing"]
+    assert result["order"] == ["contract", "memory", "step", "quality", "resume", "instability"]
+    checks = {c["key"]: c for c in result["checks"]}
+    assert all(c["passed"] for c in checks.values())
+    assert "adapter tensors changed" in checks["contract"]["summary"]
+    mem = checks["memory"]["evidence"]
+    assert mem["rows"] and all(r["ok"] for r in mem["rows"])
+    phases = {r["phase"] for r in mem["rows"]}
+    assert phases == {"forward", "backward", "optimizer"}  # peaks kept apart per phase
+    assert mem["placement"][0]["cpu"]["parameters"] > 0 and mem["max_rss_bytes"][0] > 0
+    q = checks["quality"]["evidence"]
+    assert q["after"]["loss"] < q["before"]["loss"] and q["train_seconds"] > 0
+    assert q["settings"]["data"]["eval_documents"] > 0  # separate evaluation data
+    fit = checks["step"]["evidence"]["overfit_losses"]
+    assert len(fit) == 6 and fit[-1] < fit[0]
+    assert checks["resume"]["evidence"]["checks"]["weights_hash"]
+    for name in ("accept.json", "accept.md", "accept.html"):
+        assert (out / name).stat().st_size > 0
+    rows = registry.rows(db)
+    assert [(r["kind"], r["verdict"], r["mode"]) for r in rows] == [("accept", "PASS", "lora")]
+    assert rows[0]["metric_after"] < rows[0]["metric_before"]
+    assert json.loads(rows[0]["peaks_json"])["rank0:cpu"] == mem["peaks"]["rank 0 (cpu)"]
+
+
+def test_a_wrong_plan_fails_the_memory_check_and_names_the_component(tiny_run, tmp_path):
+    """The acceptance cannot pass by construction: halve one activation term of the plan (the
+    logits and loss tensors, the largest on this tiny model) and the memory check fails."""
+    code = cli.main(
+        [
+            "accept",
+            *sets(tiny_run, "train.steps=2"),
+            "--output-dir",
+            str(tmp_path),
+            "--perturb-plan",
+            "logits_loss=0.5",
+            "--resume-steps",
+            "3",
+            "--resume-at",
+            "2",
+            "--overfit-steps",
+            "2",
+        ]
+    )
+    result = json.loads((tmp_path / "accept.json").read_text())
+    assert code == 1 and result["verdict"] == "FAIL"
+    assert result["checks"][0]["key"] == "memory"  # the failing evidence comes first
+    assert result["failing"][0].startswith("Memory") and "logits_loss" in result["failing"][0]
+    assert len(result["failing"]) == 1  # every other check passed
+    bad = [r for r in result["checks"][0]["evidence"]["rows"] if not r["ok"]]
+    assert bad and all("logits_loss" in r["components"] for r in bad)
+    md = (tmp_path / "accept.md").read_text()
+    assert md.index("## Failing") < md.index("## Checks")
+    assert "trainplan accept: <span class='FAIL'>FAIL</span>" in (tmp_path / "accept.html").read_text()
+
+
+def test_memory_check_measures_what_the_plan_omits(accepted):
+    """The comparison is real: a plan with half the frozen weights fails on that group."""
+    _, _, _, result = accepted
+    record = dict(result["record"], memory=result["memory"])
+    ledger = analytic.plan(C.from_dict(record["config"]))
+    assert accept.check_memory(record, ledger, 0.05).passed
+    assert not accept.check_memory(record, accept.perturbed(ledger, {"weights": 0.5}), 0.05).passed
+    with pytest.raises(Exception, match="no component 'nonsense'"):
+        accept.perturbed(ledger, {"nonsense": 2.0})
+
+
+def test_inference_acceptance(tiny_run, tmp_path):
+    root, base = tiny_run
+    cfg = C.load(None, [*accept.DEFAULT_SETTINGS, *base, "mode=inference"])
+    result = accept.accept(cfg, out_dir=tmp_path)
+    checks = {c["key"]: c for c in result["checks"]}
+    assert result["verdict"] == "PASS", result["failing"]
+    assert checks["contract"]["passed"] and "no gradient" in checks["contract"]["summary"]
+    assert checks["memory"]["passed"] and {r["phase"] for r in checks["memory"]["evidence"]["rows"]} == {"inference"}
+    assert checks["step"]["passed"] is None and checks["resume"]["passed"] is None
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def test_html_report_renders_its_plots_in_a_headless_browser(accepted, tmp_path):
+    _, out, _, _ = accepted
+    page = (out / "accept.html").read_text()
+    assert not re.search(r"(src|href)\s*=\s*['\"]?(https?:|//)", page), "the page must be self-contained"
+    browser = _chromium()
+    if browser is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed (make test installs it from Debian's packages)")
+        pytest.skip("chromium not installed")
+    shot = tmp_path / "page.png"
+    proc = subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=1200,2400",
+            f"--screenshot={shot}",
+            (out / "accept.html").as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shot.is_file(), proc.stderr[-2000:]
+    from PIL import Image
+
+    img = Image.open(shot).convert("RGB")
+    counts = {}
+    for _, color in img.getcolors(maxcolors=1 << 20):
+        counts[color] = counts.get(color, 0) + _
+
+    def pixels(hex_color: str) -> int:
+        return counts.get(tuple(int(hex_color[i : i + 2], 16) for i in (1, 3, 5)), 0)
+
+    # memory bars: stacked states and activations blocks, hundreds of pixels each
+    assert pixels(GROUP_COLORS["states"]) > 2000 and pixels(GROUP_COLORS["activations+"]) > 2000
+    # the verdict heading rendered in its colour
+    assert pixels("#1a7f37") > 50
+
+
+def test_runs_list_show_compare(accepted, tiny_run, tmp_path, capsys):
+    _, out, db, _ = accepted
+    from trainplan.run import loop
+
+    root, base = tiny_run
+    record = loop.run(C.load(None, [*base, "mode=full", f"train.output_dir={tmp_path}"]), quiet=True)
+    assert record["registry_id"] is not None  # train runs register themselves (the suite's registry)
+    rows = registry.rows()
+    assert rows[-1]["kind"] == "train" and rows[-1]["mode"] == "full"
+    assert cli.main(["runs", "list", "--registry", str(db)]) == 0
+    assert re.search(r"^1\s+accept\s", capsys.readouterr().out, re.M)
+    assert cli.main(["runs", "show", "1", "--registry", str(db)]) == 0
+    shown = capsys.readouterr().out
+    assert "verdict" in shown and "[lora]" in shown
+    assert cli.main(["runs", "compare", str(rows[-1]["id"]), str(rows[-1]["id"])]) == 0
+    assert "config differences: none" in capsys.readouterr().out
+    assert cli.main(["runs", "show", "99", "--registry", str(db)]) == 2
+    assert "no run 99" in capsys.readouterr().err

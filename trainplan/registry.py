@@ -1,0 +1,194 @@
+"""The run registry: every `train` and `accept` run, one row each, in a local SQLite database.
+
+Path: `--registry PATH`, else $TRAINPLAN_REGISTRY, else ~/.cache/trainplan/runs.sqlite.
+`trainplan runs list | show ID | compare A B` reads it; `trainplan advise --registry` calibrates
+its step-time estimate from the measured tokens/s here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import time
+from pathlib import Path
+
+from trainplan.errors import TrainplanError
+
+DEFAULT = "~/.cache/trainplan/runs.sqlite"
+COLUMNS = (
+    ("kind", "TEXT"),  # train | accept
+    ("started", "TEXT"),  # UTC, ISO 8601
+    ("config_hash", "TEXT"),
+    ("model", "TEXT"),
+    ("mode", "TEXT"),
+    ("device", "TEXT"),  # cpu, or the GPU's name
+    ("devices", "TEXT"),  # e.g. 2xcpu, 8x80GiB
+    ("peaks_json", "TEXT"),  # {device label: peak bytes}
+    ("metric", "TEXT"),
+    ("metric_before", "REAL"),
+    ("metric_after", "REAL"),
+    ("wall_seconds", "REAL"),
+    ("train_seconds", "REAL"),
+    ("tokens_per_s", "REAL"),  # median over steps
+    ("verdict", "TEXT"),  # PASS | FAIL
+    ("output_dir", "TEXT"),
+    ("config_toml", "TEXT"),
+)
+
+
+def path(explicit: str | None = None) -> Path:
+    return Path(explicit or os.environ.get("TRAINPLAN_REGISTRY") or DEFAULT).expanduser()
+
+
+def _connect(db: Path, *, create: bool) -> sqlite3.Connection:
+    if not create and not db.is_file():
+        raise TrainplanError(f"registry: no run registry at {db}; run `trainplan train` or `trainplan accept` first")
+    db.parent.mkdir(parents=True, exist_ok=True)
+    con = sqlite3.connect(db, timeout=30)
+    con.row_factory = sqlite3.Row
+    cols = ", ".join(f"{name} {kind}" for name, kind in COLUMNS)
+    con.execute(f"CREATE TABLE IF NOT EXISTS runs (id INTEGER PRIMARY KEY AUTOINCREMENT, {cols})")
+    return con
+
+
+def config_hash(cfg_dict: dict) -> str:
+    return hashlib.sha256(json.dumps(cfg_dict, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def row_from_record(record: dict, *, kind: str, verdict: str, device: str) -> dict:
+    """The registry row of a train record (accept adds its verdict)."""
+    from trainplan.config import from_dict, to_toml
+
+    cfg = record["config"]
+    rates = sorted(s["tokens_per_s"] for s in record.get("steps", []))
+    peaks = {}
+    for rank, m in enumerate(record.get("memory", {}).get("per_rank", [])):
+        peaks[f"rank{rank}:{m['device']}"] = m.get("peak_bytes")
+    return {
+        "kind": kind,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config_hash": config_hash(cfg),
+        "model": cfg["model"]["source"],
+        "mode": cfg["mode"],
+        "device": device,
+        "devices": record["hardware"]["devices"],
+        "peaks_json": json.dumps(peaks),
+        "metric": "held-out loss",
+        "metric_before": record["eval_before"]["loss"],
+        "metric_after": record["eval_after"]["loss"],
+        "wall_seconds": record.get("wall_seconds"),
+        "train_seconds": record.get("train_seconds"),
+        "tokens_per_s": rates[len(rates) // 2] if rates else None,
+        "verdict": verdict,
+        "output_dir": cfg["train"]["output_dir"],
+        "config_toml": to_toml(from_dict(cfg)),
+    }
+
+
+def enabled() -> bool:
+    return os.environ.get("TRAINPLAN_REGISTRY", "") != "off"
+
+
+def add(row: dict, db: Path | None = None) -> int | None:
+    """Insert a run; None when the registry is switched off (TRAINPLAN_REGISTRY=off)."""
+    if db is None and not enabled():
+        return None
+    db = db or path()
+    with _connect(db, create=True) as con:
+        names = [n for n, _ in COLUMNS]
+        cur = con.execute(
+            f"INSERT INTO runs ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
+            [row.get(n) for n in names],
+        )
+        return int(cur.lastrowid)
+
+
+def rows(db: Path | None = None) -> list[dict]:
+    with _connect(db or path(), create=False) as con:
+        return [dict(r) for r in con.execute("SELECT * FROM runs ORDER BY id")]
+
+
+def get(run_id: int, db: Path | None = None) -> dict:
+    with _connect(db or path(), create=False) as con:
+        row = con.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+    if row is None:
+        raise TrainplanError(f"runs: no run {run_id} in {db or path()}; `trainplan runs list` shows the ids")
+    return dict(row)
+
+
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def render_list(items: list[dict]) -> str:
+    head = ["id", "kind", "started", "model", "mode", "devices", "peak", "loss before", "after", "wall s", "verdict"]
+    lines = [head]
+    for r in items:
+        peaks = [v for v in json.loads(r["peaks_json"] or "{}").values() if v is not None]
+        lines.append(
+            [
+                str(r["id"]),
+                r["kind"],
+                r["started"],
+                Path(r["model"]).name or r["model"],
+                r["mode"],
+                r["devices"],
+                _gib(max(peaks) if peaks else None),
+                _fmt(r["metric_before"]),
+                _fmt(r["metric_after"]),
+                _fmt(r["wall_seconds"]),
+                r["verdict"],
+            ]
+        )
+    widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in lines)
+
+
+def render_show(r: dict) -> str:
+    out = [f"{k:14s} {_fmt(v)}" for k, v in r.items() if k not in ("config_toml", "peaks_json")]
+    out.append("peaks:")
+    out += [f"  {dev}: {_gib(b)}" for dev, b in json.loads(r["peaks_json"] or "{}").items()]
+    out += ["config:", *("  " + line for line in (r["config_toml"] or "").splitlines())]
+    return "\n".join(out)
+
+
+def render_compare(a: dict, b: dict) -> str:
+    """Two runs side by side; '*' marks what differs. Config lines that differ are listed too."""
+    keys = [k for k, _ in COLUMNS if k not in ("config_toml", "peaks_json")] + ["peaks_json"]
+    width = max(len(_fmt(a.get(k))) for k in keys) + 2
+    lines = [f"{'':14s} {'run ' + str(a['id']):{width}s} run {b['id']}"]
+    for k in keys:
+        va, vb = a.get(k), b.get(k)
+        if k == "peaks_json":
+            va = ", ".join(f"{d} {_gib(v)}" for d, v in json.loads(va or "{}").items())
+            vb = ", ".join(f"{d} {_gib(v)}" for d, v in json.loads(vb or "{}").items())
+        mark = "*" if va != vb and k not in ("started",) else " "
+        lines.append(f"{mark}{k:13s} {_fmt(va):{width}s} {_fmt(vb)}")
+    ca, cb = (a["config_toml"] or "").splitlines(), (b["config_toml"] or "").splitlines()
+    diff = _config_diff(ca, cb)
+    lines.append("config differences:" + ("" if diff else " none"))
+    lines += [f"  {k}: {x} -> {y}" for k, x, y in diff]
+    return "\n".join(lines)
+
+
+def _config_diff(a: list[str], b: list[str]) -> list[tuple[str, str, str]]:
+    def flat(lines: list[str]) -> dict[str, str]:
+        out, section = {}, ""
+        for line in lines:
+            if line.startswith("["):
+                section = line.strip("[]") + "."
+            elif "=" in line:
+                k, v = line.split("=", 1)
+                out[section + k.strip()] = v.strip()
+        return out
+
+    fa, fb = flat(a), flat(b)
+    return [(k, fa.get(k, "-"), fb.get(k, "-")) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]

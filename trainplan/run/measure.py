@@ -1,0 +1,138 @@
+"""Measure memory per device during a real training step, phase by phase, and record placement.
+
+Every rank measures itself:
+- the real tensor accounting: trainplan's storage tracker (a dispatch mode that sees every storage
+  from the op that creates it until it is freed, resize-aware for FSDP) runs around one real step
+  of the real run, with the step's phase marks (forward, backward, optimizer), so each phase's
+  peak is kept apart and split by component: weights, buffers, gradients, optimizer, activations;
+- on CUDA also the allocator: max_memory_allocated / max_memory_reserved, reset at every phase
+  boundary, and NVML's used memory for the GPU (which also sees NCCL and the CUDA context);
+- the process RSS.
+Placement: which parameters (and top-level modules) live on which device, and their bytes there
+(the local shard under FSDP).
+"""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+from torch import nn
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    local = _local(t)
+    return local.numel() * local.element_size()
+
+
+def placement(model: nn.Module) -> dict:
+    """Per device: parameter count, bytes held there, sharded count, and the top-level modules."""
+    base = getattr(model, "module", model)
+    out: dict[str, dict] = {}
+    for name, p in base.named_parameters():
+        local = _local(p)
+        dev = str(local.device)
+        entry = out.setdefault(dev, {"parameters": 0, "bytes": 0, "sharded": 0, "modules": []})
+        entry["parameters"] += 1
+        entry["bytes"] += _nbytes(p)
+        entry["sharded"] += int(hasattr(p, "to_local"))
+        top = ".".join(n for n in name.split(".")[:-1] if not n.isdigit())[:80] or name
+        if top not in entry["modules"] and len(entry["modules"]) < 64:
+            entry["modules"].append(top)
+    for entry in out.values():
+        entry["buffers_bytes"] = 0
+    for b in base.buffers():
+        out.setdefault(str(b.device), {"parameters": 0, "bytes": 0, "sharded": 0, "modules": [], "buffers_bytes": 0})
+        out[str(b.device)]["buffers_bytes"] += _nbytes(b)
+    return out
+
+
+def _nvml_used(device: torch.device) -> int | None:
+    try:
+        return int(torch.cuda.device_memory_used(device))
+    except Exception:  # no NVML (pynvml) on this machine
+        return None
+
+
+class StepMeter:
+    """Wraps one real training step: `with meter: train_step(..., on_phase=meter.on_phase)`."""
+
+    def __init__(self, model: nn.Module, optimizer, inputs, device: torch.device, *, lora: bool) -> None:
+        from trainplan import _torch_private as P
+
+        self.model, self.optimizer, self.device, self.lora = model, optimizer, device, lora
+        self.tracker = P.StorageTracker()
+        self.tracker.track(getattr(model, "module", model), optimizer, inputs)
+        self.raw: dict[str, dict[str, int]] = {}
+        self.order: list[str] = []
+        self.cuda: dict[str, dict[str, int | None]] = {}
+        self._current: str | None = None
+
+    def __enter__(self) -> StepMeter:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.tracker.__exit__(*exc)
+
+    def on_phase(self, name: str) -> None:
+        if self._current is not None:
+            self.raw[self._current] = self.tracker.peak_by_category()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                self.cuda[self._current] = {
+                    "max_allocated": torch.cuda.max_memory_allocated(self.device),
+                    "max_reserved": torch.cuda.max_memory_reserved(self.device),
+                    "nvml_used": _nvml_used(self.device),
+                }
+                torch.cuda.reset_peak_memory_stats(self.device)
+        self.tracker.reset_peak()
+        self._current = None if name == "end" else name
+        self.tracker.phase = self._current or ""
+        if self._current and self._current not in self.order:
+            self.order.append(self._current)
+
+    def _reclassified(self) -> dict[str, dict[str, int]]:
+        """Per-phase peaks with late-recognised gradients moved to their category. DDP rebuilds its
+        gradient buckets at the start of the second step's forward: the tracker sees a new storage
+        (an activation) that only becomes known as the gradients' home when the optimizer reads
+        p.grad. For every phase from its birth up to the one that recognised it, it was a gradient."""
+        raw = {ph: dict(v) for ph, v in self.raw.items()}
+        index = {ph: i for i, ph in enumerate(self.order)}
+        for nbytes, born, seen, old, new in self.tracker.retagged:
+            if old != "activations" or new != "grads" or born not in index or seen not in index:
+                continue
+            for ph in self.order[index[born] : index[seen]]:
+                moved = min(nbytes, raw[ph].get("activations", 0))
+                raw[ph]["activations"] = raw[ph].get("activations", 0) - moved
+                raw[ph]["grads"] = raw[ph].get("grads", 0) + moved
+        return raw
+
+    def result(self) -> dict:
+        from trainplan.plan.traced import to_components
+
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        adapter = sum(_nbytes(p) for p in trainable) if self.lora else 0
+        inner = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer: this rank's shard
+        opt_state = [s for s in inner.state.values() if isinstance(s, dict)] if inner is not None else []
+        states = sum(_nbytes(v) for s in opt_state for v in s.values() if isinstance(v, torch.Tensor))
+        phases = {
+            ph: to_components(raw, adapter_params=adapter, states=states, lora=self.lora, phase=ph)
+            for ph, raw in self._reclassified().items()
+        }
+        return {
+            "device": str(self.device),
+            "phases": phases,
+            "raw": self.raw,
+            "cuda": self.cuda,
+            "peak_bytes": max((sum(c.values()) for c in phases.values()), default=0),
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "placement": placement(self.model),
+        }
