@@ -23,7 +23,7 @@ browser:
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/trainplan plan examples/demo-lora.toml
-	$(VENV)/bin/trainplan train examples/demo-lora.toml
+	$(VENV)/bin/trainplan accept
 
 test: $(VENV)/.installed browser
 	$(PY) -m pytest -q

@@ -314,7 +314,7 @@ def test_table_states_the_estimate_and_reasons(capsys):
     assert cli.main(["advise", *NODE_8B, "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "candidate configurations planned in" in out
-    assert "step time is an estimate (MFU 40.0% on H100-80GB, assumed)" in out
+    assert "step time is an estimate (MFU 40.0% on H100-80GB, assumed" in out
     assert "ZeRO-3/FSDP needed: ZeRO-2 exceeds GPU 0 by" in out or "ZeRO-2 needed: ZeRO-1 exceeds GPU 0 by" in out
     assert "... and" in out
 

@@ -317,7 +317,13 @@ def check_instability(record: dict) -> Check:
     )
     if warnings:
         summary += "; warning: " + "; ".join(describe(e) for e in warnings[:3]) + f", clipped to {clip:g}"
-    return Check("instability", "Instability scan", not failing, summary, {**scan, "warnings": warnings})
+    acted = record.get("guard", {}).get("events", [])
+    if acted:
+        summary += "; the run's guard acted: " + "; ".join(
+            f"step {e['step']} {e['key']} {e['kind']} -> {e['action']}" for e in acted[:3]
+        )
+    evidence = {**scan, "warnings": warnings, "guard_events": acted}
+    return Check("instability", "Instability scan", not failing, summary, evidence)
 
 
 def _device_name(device: str) -> str:

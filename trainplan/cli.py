@@ -14,6 +14,7 @@ from pathlib import Path
 from trainplan.errors import TrainplanError
 
 EXIT_BAD_INPUT = 2
+EXIT_GUARD_STOP = 3  # train: the stability guard stopped the run (a checkpoint of the last good state is kept)
 
 
 @dataclass(frozen=True)
@@ -262,6 +263,11 @@ def _train_run(args: argparse.Namespace) -> int:
             f"{record['contract']['detail']}"
         )
         print(f"record: {Path(record['config']['train']['output_dir']) / 'record.json'}")
+        if record.get("stopped"):
+            ev = record["stopped"]
+            print(f"stopped by the stability guard at step {ev['step']}: {ev['key']} {ev['kind']} ({ev['value']:.4g})")
+    if record.get("stopped"):
+        return dist.finish(env, EXIT_GUARD_STOP)
     return dist.finish(env, 0 if record["contract"]["passed"] else 1)
 
 
@@ -426,6 +432,21 @@ def _runs_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- devices --------------------------------------------------------------------------------
+
+
+def _devices_args(p: argparse.ArgumentParser) -> None:
+    from trainplan.devices import add_args
+
+    add_args(p)
+
+
+def _devices_run(args: argparse.Namespace) -> int:
+    from trainplan.devices import run
+
+    return run(args)
+
+
 COMMANDS: dict[str, Command] = {
     "plan": Command(
         "per-device memory ledger: will it fit, on each device, and why (exit 0 fits, 1 not, 2 bad input)",
@@ -462,6 +483,12 @@ COMMANDS: dict[str, Command] = {
         "the exact plan: run the real model step on fake tensors and compare it with the analytic ledger",
         _trace_args,
         _trace_run,
+    ),
+    "devices": Command(
+        "device preflight: inventory (memory, compute capability, bf16, driver, P2P) and health checks "
+        "(determinism, matmul vs nominal, all-reduce); exit 0 passed, 1 a check failed, 2 bad input",
+        _devices_args,
+        _devices_run,
     ),
 }
 

@@ -121,6 +121,56 @@ class TrainConfig:
             )
 
 
+GUARD_ACTIONS = ("skip", "rollback", "stop")
+INJECT_KINDS = ("nan-loss", "nan-grad", "spike")
+
+
+@dataclass(kw_only=True)
+class GuardConfig:
+    """The stability guard, checked at every optimizer step before the update is applied."""
+
+    enabled: bool = True
+    window: int = 128  # rolling window of recent losses and grad norms (OLMo-core: 128)
+    threshold: float = 6.0  # z-score above the window's mean that counts as a spike
+    min_history: int = 0  # values in the window before spikes are checked; 0: half the window
+    on_nonfinite: str = "skip"  # a NaN/Inf loss or gradient on any rank
+    on_spike: str = "skip"
+    on_scale_collapse: str = "stop"  # amp-fp16: the GradScaler's scale fell below min_loss_scale
+    min_loss_scale: float = 1.0
+    rollback_skip: int = 1  # optimizer steps' worth of batches skipped after a rollback
+    rollback_lr_factor: float = 1.0  # multiply the learning rate after a rollback (e.g. 0.5)
+    max_rollbacks: int = 3  # then stop
+    inject: list[str] = field(default_factory=list)  # fault injection for tests: "nan-loss@5", "spike@9"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError("guard.enabled", f"must be true or false (got {self.enabled!r})", "write true or false")
+        _positive_int("guard", "window", self.window, minimum=2)
+        for name in ("min_history", "rollback_skip", "max_rollbacks"):
+            _positive_int("guard", name, getattr(self, name), minimum=0)
+        for name in ("threshold", "min_loss_scale", "rollback_lr_factor"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+                raise ConfigError(f"guard.{name}", f"must be a positive number (got {v!r})", f"set guard.{name} > 0")
+        for name in ("on_nonfinite", "on_spike", "on_scale_collapse"):
+            _choice("guard", name, getattr(self, name), GUARD_ACTIONS)
+        for item in self.inject:
+            kind, _, at = str(item).partition("@")
+            if kind not in INJECT_KINDS or not at.isdigit() or int(at) < 1:
+                raise ConfigError(
+                    "guard.inject",
+                    f"{item!r} is not KIND@STEP",
+                    f"KIND is one of {', '.join(INJECT_KINDS)}; e.g. nan-loss@5",
+                )
+
+    def injections(self) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for item in self.inject:
+            kind, _, at = item.partition("@")
+            out.setdefault(int(at), []).append(kind)
+        return out
+
+
 @dataclass(kw_only=True)
 class LoraConfig:
     r: int = 8
@@ -225,6 +275,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def __post_init__(self) -> None:
         _choice("run", "mode", self.mode, MODES)
@@ -245,6 +296,7 @@ _SECTION_TYPES = {
     "data": DataConfig,
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
+    "guard": GuardConfig,
 }
 _TOP_KEYS = ("mode", "precision")
 

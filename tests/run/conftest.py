@@ -51,3 +51,32 @@ def tiny_run(tmp_path_factory):
         "precision=fp32",
     ]
     return root, base
+
+
+@pytest.fixture(scope="session")
+def small_pretrained(tiny_run, tmp_path_factory):
+    """A ready model for long fine-tuning runs: a tiny Llama with its own 512-token byte-level BPE
+    (trained on the corpus), pretrained for 300 steps, so 1000 fine-tuning steps take seconds."""
+    import torch
+    import transformers
+    from tokenizers import ByteLevelBPETokenizer
+
+    root, _ = tiny_run
+    out = tmp_path_factory.mktemp("small") / "model"
+    texts = [p.read_text() for p in sorted((root / "corpus").iterdir())]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=512, min_frequency=2, special_tokens=["<eos>"])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**{**TINY, "vocab_size": 512}))
+    ids = [i for t in texts for i in tok(t)["input_ids"] + [tok.eos_token_id]]
+    x = torch.tensor(ids[: len(ids) // 32 * 32]).view(-1, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(300):
+        batch = x[torch.randint(0, len(x), (8,))]
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -49,8 +49,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=10, help="entries to show (0: all that fit)")
     p.add_argument("--format", default="table", help="table | json")
     p.add_argument("--out", default=None, help="write the chosen configuration as TOML (atomically)")
-    p.add_argument("--registry", default=None, help="SQLite run registry: calibrate the MFU from measured runs "
-        "(default: $TRAINPLAN_REGISTRY or ~/.cache/trainplan/runs.sqlite when it exists)")
+    p.add_argument(
+        "--registry",
+        default=None,
+        help="SQLite run registry: calibrate the MFU from measured runs "
+        "(default: $TRAINPLAN_REGISTRY or ~/.cache/trainplan/runs.sqlite when it exists)",
+    )
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="any other config field, kept in --out"
     )

@@ -213,6 +213,7 @@ def _finish(
             "RNG per rank (python, numpy, torch, cuda)",
             "training progress",
             "data position",
+            "stability-guard state",
             "resolved config",
         ]
         + (["GradScaler"] if has_scaler else []),

@@ -29,6 +29,13 @@ class DistEnv:
         dist.all_reduce(out)
         return out.cpu()
 
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return t
+        out = t.detach().to(self.device, torch.float32).clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return out.cpu()
+
     def gather(self, obj) -> list:
         """Every rank's `obj`, in rank order (on every rank)."""
         if self.world == 1:

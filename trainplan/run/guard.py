@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 WINDOW = 128
 THRESHOLD = 6.0
+ACTIONS = ("skip", "rollback", "stop")  # in rising severity: across ranks the most severe wins
 
 
 @dataclass
@@ -88,3 +89,72 @@ def scan(
                 )
     checked = {k: max(0, len(steps) - (det.min_history or 0)) for k, det in detectors.items()}
     return {"events": events, "steps": len(steps), "z_checked_steps": checked, "window": window, "threshold": threshold}
+
+
+class Guard:
+    """The run's stability guard: one decision per optimizer step, before the update.
+
+    Events: non-finite loss or gradient; loss or grad-norm spike (z-score against the rolling
+    window, off until `min_history` values are in it); fp16 loss-scale collapse. Each event gets
+    the action configured for its type (skip, rollback, stop). Values of applied steps enter the
+    windows; the windows are part of the checkpoint so a resumed run decides the same way.
+    """
+
+    def __init__(self, cfg, *, scaler: bool) -> None:
+        self.cfg = cfg
+        self.scaler = scaler
+        min_history = cfg.min_history or None
+        self.loss = RollingZ(window=cfg.window, threshold=cfg.threshold, min_history=min_history)
+        self.grad = RollingZ(window=cfg.window, threshold=cfg.threshold, min_history=min_history)
+        self.events: list[dict] = []
+        self.rollbacks = 0
+
+    def check(self, step: int, loss: float, grad_norm: float, scale: float | None = None) -> dict | None:
+        """The event at this step (with its action), or None: apply the update."""
+        if not self.cfg.enabled:
+            return None
+        event = None
+        if not math.isfinite(loss):
+            event = {"kind": "non-finite", "key": "loss", "value": loss}
+        elif not math.isfinite(grad_norm) and not self.scaler:  # with a GradScaler, inf grads are its business
+            event = {"kind": "non-finite", "key": "grad_norm", "value": grad_norm}
+        else:
+            for key, det, value in (("loss", self.loss, loss), ("grad_norm", self.grad, grad_norm)):
+                z = det.zscore(value) if math.isfinite(value) else None
+                if z is not None and z > self.cfg.threshold:
+                    event = {"kind": "spike", "key": key, "value": value, "z": round(z, 2)}
+                    event["threshold"] = self.cfg.threshold
+                    break
+        if event is None and self.scaler and scale is not None and scale < self.cfg.min_loss_scale:
+            event = {"kind": "scale-collapse", "key": "loss_scale", "value": scale}
+            event["threshold"] = self.cfg.min_loss_scale
+        if event is None:
+            return None
+        action = {
+            "non-finite": self.cfg.on_nonfinite,
+            "spike": self.cfg.on_spike,
+            "scale-collapse": self.cfg.on_scale_collapse,
+        }[event["kind"]]
+        return {"step": step, **event, "action": action}
+
+    def observe(self, loss: float, grad_norm: float) -> None:
+        """Every finite value joins its window; a spike joins winsorized at mean + threshold x std.
+        So a batch that is always unusual widens the window each time it comes back (its z-score
+        falls), while one huge spike cannot mask the next one."""
+        for det, value in ((self.loss, loss), (self.grad, grad_norm)):
+            if not math.isfinite(value):
+                continue
+            z = det.zscore(value)
+            if z is not None and z > self.cfg.threshold:
+                n = len(det.values)
+                mean = sum(det.values) / n
+                value = mean + (value - mean) * self.cfg.threshold / z
+            det.values.append(value)
+
+    def state_dict(self) -> dict:
+        return {"loss": list(self.loss.values), "grad_norm": list(self.grad.values), "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss.values = deque(state["loss"], maxlen=self.cfg.window)
+        self.grad.values = deque(state["grad_norm"], maxlen=self.cfg.window)
+        self.rollbacks = state.get("rollbacks", 0)

@@ -21,7 +21,7 @@ import torch
 from trainplan import config as C
 from trainplan.errors import ConfigError
 from trainplan.plan import analytic
-from trainplan.run import checkpoint, contract, data, dist, evaluate, measure, models, step
+from trainplan.run import checkpoint, contract, data, dist, evaluate, guard, measure, models, step
 
 
 def _device_label(env: dist.DistEnv) -> str:
@@ -180,15 +180,20 @@ def run(cfg: C.RunConfig, *, quiet: bool = False, register: bool = True) -> dict
         scaler = torch.amp.GradScaler(env.device.type) if prec.loss_scaling else None
         sampler = data.StatefulSampler(train_ids.shape[0], seed=cfg.train.seed, rank=env.rank, world=env.world)
         ckpt = _Checkpoints(cfg, out_dir, env, r)
-        start, tokens_seen = ckpt.maybe_resume(model, optimizer, scheduler, scaler, sampler, record)
+        sentinel = guard.Guard(cfg.guard, scaler=scaler is not None)
+        start, tokens_seen = ckpt.maybe_resume(model, optimizer, scheduler, scaler, sampler, record, sentinel)
         fixed = [sampler.take(batch.micro_batch_size) for _ in range(cfg.train.overfit_batches)]
         measure_at = (start + 1 if cfg.train.steps - start >= 2 else start) if cfg.train.measure_memory else -1
+        injections = cfg.guard.injections()
+        record["guard"] = {"events": sentinel.events, "settings": dataclasses.asdict(cfg.guard)}
         t_train = time.perf_counter()
-        for i in range(start, cfg.train.steps):
+        i = start
+        while i < cfg.train.steps:
             t0 = time.perf_counter()
-            micro = []
+            micro, ids = [], []
             for j in range(batch.grad_accum_steps):
                 idx = fixed[j % len(fixed)] if fixed else sampler.take(batch.micro_batch_size)
+                ids += idx
                 micro.append({"input_ids": train_ids[idx].to(env.device), "labels": train_labels[idx].to(env.device)})
             local_tokens = sum(step.target_tokens(mb) for mb in micro)
             tokens = int(env.all_reduce_sum(torch.tensor(float(local_tokens)))) if env.world > 1 else local_tokens
@@ -197,6 +202,25 @@ def run(cfg: C.RunConfig, *, quiet: bool = False, register: bool = True) -> dict
             if i == measure_at:
                 inputs = [t for mb in micro for t in mb.values()]
                 meter = measure.StepMeter(model, optimizer, inputs, env.device, lora=mode in ("lora", "qlora"))
+            verdict: dict = {}
+
+            def decide(loss_t, norm_t, scale, i=i, verdict=verdict, ids=ids):
+                """Every rank reaches the same decision: the values are global, and the action is
+                reduced across ranks too, so no rank steps while another skips."""
+                loss_v = float(env.all_reduce_sum(loss_t.float().cpu())) if env.world > 1 else float(loss_t)
+                norm_v = float(norm_t.full_tensor() if hasattr(norm_t, "full_tensor") else norm_t)
+                event = sentinel.check(i + 1, loss_v, norm_v, scale)
+                code = torch.tensor(float(guard.ACTIONS.index(event["action"]) + 1 if event else 0))
+                code = int(env.all_reduce_max(code)) if env.world > 1 else int(code)
+                if code and event is None:  # another rank saw it
+                    event = {"step": i + 1, "kind": "remote", "key": "-", "value": float("nan")}
+                    event["action"] = guard.ACTIONS[code - 1]
+                sentinel.observe(loss_v, norm_v)
+                if event is not None:
+                    event["batch_ids"] = env.gather(ids)
+                verdict.update(loss=loss_v, event=event)
+                return event is None
+
             with meter or contextlib.nullcontext():
                 res = step.train_step(
                     model,
@@ -210,10 +234,12 @@ def run(cfg: C.RunConfig, *, quiet: bool = False, register: bool = True) -> dict
                     grad_scale=float(env.world),
                     scheduler=scheduler,
                     on_phase=meter.on_phase if meter else lambda phase: None,
+                    decide=decide,
+                    inject=injections.pop(i + 1, ()),  # one-shot: a rolled-back step runs clean
                 )
             if meter is not None:
                 record["memory"] = {"step": i + 1, "per_rank": env.gather(meter.result())}
-            loss = float(env.all_reduce_sum(res.loss.float().cpu())) if env.world > 1 else float(res.loss)
+            loss = verdict["loss"]
             norm = res.grad_norm.full_tensor() if hasattr(res.grad_norm, "full_tensor") else res.grad_norm
             dt = time.perf_counter() - t0
             entry = {
@@ -226,25 +252,47 @@ def run(cfg: C.RunConfig, *, quiet: bool = False, register: bool = True) -> dict
                 "seconds": dt,
                 "memory": _peak_memory(env),
             }
+            if not res.applied:
+                entry["skipped"] = True
             record["steps"].append(entry)
             tokens_seen += tokens
+            event = verdict["event"]
+            if event is not None:
+                sentinel.events.append(event)
+                if env.is_main:
+                    print(
+                        f"trainplan train: guard: step {event['step']} {event['key']} {event['kind']} "
+                        f"({event['value']:.4g}) -> {event['action']}",
+                        file=sys.stderr,
+                    )
+                if event["action"] == "rollback":
+                    restored = ckpt.rollback(model, optimizer, scheduler, scaler, sampler, sentinel, event)
+                    if restored is not None:
+                        i, tokens_seen = restored
+                        continue
+                if event["action"] == "stop":
+                    ckpt.save(i + 1, model, optimizer, scheduler, scaler, sampler, tokens_seen, sentinel, force=True)
+                    record["stopped"] = event
+                    i += 1
+                    break
             if cfg.train.eval_every and (i + 1) % cfg.train.eval_every == 0 and i + 1 < cfg.train.steps:
                 entry["eval"] = run_eval()
             if cfg.checkpoint.every and (i + 1) % cfg.checkpoint.every == 0:
-                ckpt.save(i + 1, model, optimizer, scheduler, scaler, sampler, tokens_seen)
+                ckpt.save(i + 1, model, optimizer, scheduler, scaler, sampler, tokens_seen, sentinel)
             if not quiet and env.is_main and sys.stderr.isatty():
                 mem = entry["memory"].get("max_allocated_bytes", entry["memory"].get("max_rss_bytes", 0)) / 2**30
                 sys.stderr.write(
                     f"\r[{'#' * int(20 * (i + 1) / cfg.train.steps):20s}] step {i + 1}/"
                     f"{cfg.train.steps} loss {loss:.4f} {entry['tokens_per_s']:.0f} tok/s {mem:.1f} GiB"
                 )
-            if cfg.train.stop_after and i + 1 >= cfg.train.stop_after:
+            i += 1
+            if cfg.train.stop_after and i >= cfg.train.stop_after:
                 break
         if not quiet and env.is_main and sys.stderr.isatty():
             sys.stderr.write("\n")
         record["train_seconds"] = time.perf_counter() - t_train
         record["sampler"] = sampler.state_dict()
-        record["final"] = _fingerprints(model, optimizer, sampler, batch)
+        record["final"] = _fingerprints(model, optimizer, scheduler, sampler, batch)
     record["eval_after"] = run_eval()
     record["contract"] = contract.check(mode, model, before_params, optimizer=optimizer).to_json()
     record["wall_seconds"] = time.perf_counter() - t_start
@@ -297,19 +345,19 @@ def _state_hashes(model, optimizer) -> dict:
     }
 
 
-def _fingerprints(model, optimizer, sampler: data.StatefulSampler, batch) -> dict:
+def _fingerprints(model, optimizer, scheduler, sampler: data.StatefulSampler, batch) -> dict:
     """What a resumed run must reproduce: weights, optimizer state, and the next batch's samples."""
     import copy
 
     upcoming = copy.deepcopy(sampler).take(batch.micro_batch_size * batch.grad_accum_steps)
-    return {**_state_hashes(model, optimizer), "next_batch": upcoming}
+    return {**_state_hashes(model, optimizer), "next_batch": upcoming, "scheduler_step": scheduler.last_epoch}
 
 
 class _Checkpoints:
     """Checkpoint policy for one run: where, how often, and resuming."""
 
     def __init__(self, cfg: C.RunConfig, out_dir: Path, env: dist.DistEnv, r) -> None:
-        self.cfg, self.env = cfg, env
+        self.cfg, self.env, self.batch = cfg, env, r.batch
         self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
         # FSDP2 strategies write DCP shards, readable at any world size (one process included)
         self.sharded = cfg.parallel.strategy in ("zero3", "fsdp-grad-op")
@@ -319,12 +367,18 @@ class _Checkpoints:
             "compat": _compat(cfg, r),
         }
 
-    def save(self, step_no, model, optimizer, scheduler, scaler, sampler, tokens_seen) -> None:
+    def save(
+        self, step_no, model, optimizer, scheduler, scaler, sampler, tokens_seen, sentinel, *, force=False
+    ) -> None:
+        """force: the guard stopped the run; keep a checkpoint even when checkpoint.every is 0."""
+        if not (self.cfg.checkpoint.every or force):
+            return
         state = {
             **self.expect,
             "step": step_no,
             "tokens_seen": tokens_seen,
             "sampler": sampler.state_dict(),
+            "guard": sentinel.state_dict(),
             "config": self.cfg.to_dict(),
         }
         checkpoint.save(
@@ -339,7 +393,54 @@ class _Checkpoints:
             sharded=self.sharded,
         )
 
-    def maybe_resume(self, model, optimizer, scheduler, scaler, sampler, record) -> tuple[int, int]:
+    def _load(self, path: Path, model, optimizer, scheduler, scaler, sampler) -> dict:
+        state = checkpoint.load(
+            path,
+            model=getattr(model, "module", model),
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            expect=self.expect,
+            sharded=self.sharded,
+        )
+        sampler.load_state_dict(state["sampler"])
+        return state
+
+    def rollback(self, model, optimizer, scheduler, scaler, sampler, sentinel, event) -> tuple[int, int] | None:
+        """Restore the newest valid checkpoint, skip the next `guard.rollback_skip` steps' batches,
+        optionally lower the LR. Returns (step, tokens seen) to continue from, or None when the
+        event's action changed (no checkpoint: skip; too many rollbacks: stop)."""
+        g = self.cfg.guard
+        if sentinel.rollbacks >= g.max_rollbacks:
+            event["action"] = "stop"
+            event["note"] = f"{sentinel.rollbacks} rollback(s) already (guard.max_rollbacks): stopping"
+            return None
+        path, _ = checkpoint.latest_valid(self.root)
+        if path is None:
+            event["action"] = "skip"
+            event["note"] = "no valid checkpoint to roll back to: the step was skipped instead"
+            return None
+        state = self._load(path, model, optimizer, scheduler, scaler, sampler)
+        count = sentinel.rollbacks + 1
+        if "guard" in state:
+            sentinel.load_state_dict(state["guard"])
+        sentinel.rollbacks = count
+        per_step = self.batch.micro_batch_size * self.batch.grad_accum_steps
+        skipped = [i for _ in range(g.rollback_skip) for i in sampler.take(per_step)]
+        if g.rollback_lr_factor != 1.0:
+            scheduler.base_lrs = [b * g.rollback_lr_factor for b in scheduler.base_lrs]
+            for group in optimizer.param_groups:
+                group["lr"] *= g.rollback_lr_factor
+            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        event.update(
+            restored_from=path.name,
+            restored_step=state["step"],
+            skipped_batch_ids=self.env.gather(skipped),
+            lr_factor=g.rollback_lr_factor,
+        )
+        return state["step"], state["tokens_seen"]
+
+    def maybe_resume(self, model, optimizer, scheduler, scaler, sampler, record, sentinel) -> tuple[int, int]:
         resume = self.cfg.checkpoint.resume
         if not resume:
             return 0, 0
@@ -358,16 +459,9 @@ class _Checkpoints:
                     "checkpoint.resume", f"no checkpoint at {resume!r}", 'give a step-NNNNNNNN directory or "auto"'
                 )
             record["resume"] = {"skipped": []}
-        state = checkpoint.load(
-            path,
-            model=getattr(model, "module", model),
-            optimizer=optimizer,
-            scheduler=scheduler,
-            scaler=scaler,
-            expect=self.expect,
-            sharded=self.sharded,
-        )
-        sampler.load_state_dict(state["sampler"])
+        state = self._load(path, model, optimizer, scheduler, scaler, sampler)
+        if "guard" in state:
+            sentinel.load_state_dict(state["guard"])
         record["resume"]["loaded"] = _state_hashes(model, optimizer)
         for note in state["notes"]:
             if self.env.is_main:

@@ -25,6 +25,7 @@ class StepResult:
     loss: torch.Tensor  # mean token loss over the accumulation window
     grad_norm: torch.Tensor
     tokens: int
+    applied: bool = True  # False: the guard or the GradScaler skipped the update
 
 
 def autocast(prec: Precision, device_type: str):
@@ -52,6 +53,8 @@ def train_step(
     token_count: int | None = None,
     grad_scale: float = 1.0,
     scheduler=None,
+    decide: Callable[[torch.Tensor, torch.Tensor, float | None], bool] | None = None,
+    inject: Sequence[str] = (),
 ) -> StepResult:
     """Accumulate gradients over `micro_batches`, then clip and step.
 
@@ -59,6 +62,12 @@ def train_step(
     summed over data-parallel ranks by the caller), not per micro-batch, so accumulation
     matches one big batch. Data-parallel gradient averaging divides by the world size, so the
     caller passes grad_scale=world to keep the gradient of sum(token losses) / global tokens.
+
+    `decide(loss, grad_norm, loss_scale)` (the stability guard) runs after the gradients are
+    complete and before anything changes: False skips the update, so neither the weights, the
+    optimizer state nor the LR scheduler move. With a GradScaler, a step the scaler skipped for
+    inf gradients does not advance the scheduler either. `inject` is fault injection for tests:
+    "nan-loss", "spike" (loss x 10), "nan-grad" (one gradient element).
     """
     tokens = token_count if token_count is not None else sum(target_tokens(mb) for mb in micro_batches)
     total = None
@@ -66,26 +75,39 @@ def train_step(
         on_phase("forward")
         with autocast(prec, device_type):
             loss = model(input_ids=mb["input_ids"], labels=mb["labels"], num_items_in_batch=tokens).loss
+        if "nan-loss" in inject:
+            loss = loss * float("nan")
+        elif "spike" in inject:
+            loss = loss * 10.0
         on_phase("backward")
         scaled = loss * grad_scale if grad_scale != 1.0 else loss
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
         total = loss.detach() if total is None else total + loss.detach()
         del loss
     on_phase("optimizer")
+    params = [p for p in model.parameters() if p.grad is not None]
+    if "nan-grad" in inject and params:
+        g = params[0].grad
+        (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = float("nan")
     if scaler is not None:
         scaler.unscale_(optimizer)
-    params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
-    if scaler is not None:
+    scale = scaler.get_scale() if scaler is not None else None
+    applied = decide is None or decide(total, norm, scale)
+    if not applied:
+        if scaler is not None:
+            scaler.update()  # the scaler still learns from this step's inf check
+    elif scaler is not None:
         scaler.step(optimizer)
         scaler.update()
+        applied = scaler.get_scale() >= scale  # a lowered scale means the scaler skipped the step
     else:
         optimizer.step()
-    if scheduler is not None:
+    if applied and scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     on_phase("end")
-    return StepResult(loss=total, grad_norm=norm, tokens=tokens)
+    return StepResult(loss=total, grad_norm=norm, tokens=tokens, applied=applied)
 
 
 def eval_forward(

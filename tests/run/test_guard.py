@@ -1,0 +1,215 @@
+"""The stability guard: detection at the step, skip / rollback / stop, and agreement across ranks."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from trainplan import cli
+from trainplan import config as C
+from trainplan.errors import ConfigError
+from trainplan.run import guard, loop
+
+
+def run(tiny_run, out, *extra):
+    root, base = tiny_run
+    cfg = C.load(None, [*base, "train.measure_memory=false", "train.eval_batches=1", f"train.output_dir={out}", *extra])
+    record = loop.run(cfg, quiet=True)
+    record.pop("_env")
+    return record
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_run, tmp_path_factory):
+    """Two clean steps: what the weights, optimizer and scheduler must still be after a skipped third."""
+    return run(tiny_run, tmp_path_factory.mktemp("ref"), "train.steps=2")
+
+
+def assert_skipped_at_3(record, reference, key):
+    (event,) = record["guard"]["events"]
+    assert (event["step"], event["key"], event["kind"], event["action"]) == (3, key, "non-finite", "skip")
+    assert event["batch_ids"] and len(event["batch_ids"][0]) == 4  # the skipped batch, per rank
+    assert record["steps"][2]["skipped"] and math.isnan(record["steps"][2]["loss" if key == "loss" else "grad_norm"])
+    final, ref = record["final"], reference["final"]
+    assert final["weights_hash"] == ref["weights_hash"]  # the step changed no weight
+    assert final["optimizer_hash"] == ref["optimizer_hash"]  # nor the optimizer state
+    assert final["scheduler_step"] == ref["scheduler_step"] == 2  # nor the LR schedule
+
+
+@pytest.mark.parametrize(("inject", "key"), [("nan-loss", "loss"), ("nan-grad", "grad_norm")])
+def test_injected_nan_is_caught_at_its_step_and_changes_nothing(tiny_run, tmp_path, reference, inject, key):
+    record = run(tiny_run, tmp_path, "train.steps=3", f"guard.inject=['{inject}@3']")
+    assert_skipped_at_3(record, reference, key)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_injected_nan_on_two_ranks(tiny_run, tmp_path, strategy):
+    """DDP and FSDP: both ranks take the same decision; the skipped step changes nothing."""
+    root, base = tiny_run
+
+    def torchrun(out, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        cmd += ["-m", "trainplan", "train"]
+        items = [*base, "batch.micro_batch_size=2", f"parallel.strategy={strategy}", "train.measure_memory=false"]
+        for item in [*items, "train.eval_batches=1", f"train.output_dir={out}", *extra]:
+            cmd += ["--set", item]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads((out / "record.json").read_text())
+
+    ref = torchrun(tmp_path / "ref", "train.steps=2")
+    for inject, key in (("nan-loss", "loss"), ("nan-grad", "grad_norm")):
+        record = torchrun(tmp_path / inject, "train.steps=3", f"guard.inject=['{inject}@3']")
+        (event,) = record["guard"]["events"]
+        assert (event["step"], event["key"], event["action"]) == (3, key, "skip")
+        assert len(event["batch_ids"]) == 2  # the skipped sample ids of both ranks
+        for k in ("weights_hash", "optimizer_hash", "scheduler_step"):
+            assert record["final"][k] == ref["final"][k], k
+
+
+def test_every_injected_spike_is_detected(tiny_run, tmp_path):
+    steps = [12, 15, 20, 23]
+    record = run(
+        tiny_run,
+        tmp_path,
+        "train.steps=24",
+        "guard.window=16",
+        "guard.inject=[" + ", ".join(f"'spike@{s}'" for s in steps) + "]",
+    )
+    events = record["guard"]["events"]
+    assert [(e["step"], e["key"], e["kind"]) for e in events] == [(s, "loss", "spike") for s in steps]
+    assert all(e["z"] > e["threshold"] == 6.0 for e in events)
+    assert [s["step"] for s in record["steps"] if s.get("skipped")] == steps
+
+
+def test_no_false_positive_in_1000_clean_fine_tuning_steps(tiny_run, small_pretrained, tmp_path):
+    """Fine-tuning a ready model, at the default threshold and window. (Training from random
+    init is not clean in this sense: its early grad norms spike at 6-17 sigma, and the guard
+    reports them.)"""
+    record = run(
+        tiny_run,
+        tmp_path,
+        f"model.source={small_pretrained}",
+        "train.steps=1000",
+        "batch.micro_batch_size=2",
+        "optim.lr=1e-3",
+    )
+    assert len(record["steps"]) == 1000 and record["steps"][-1]["loss"] < record["steps"][0]["loss"]
+    assert record["guard"]["events"] == []
+    assert record["guard"]["settings"]["threshold"] == 6.0 and record["guard"]["settings"]["window"] == 128
+
+
+def test_rollback_restores_the_checkpoint_skips_batches_and_completes(tiny_run, tmp_path):
+    ck = tmp_path / "ck"
+    record = run(
+        tiny_run,
+        tmp_path,
+        "train.steps=8",
+        f"checkpoint.dir={ck}",
+        "checkpoint.every=4",
+        "guard.on_nonfinite=rollback",
+        "guard.rollback_skip=2",
+        "guard.rollback_lr_factor=0.5",
+        "guard.inject=['nan-loss@6']",
+    )
+    (event,) = record["guard"]["events"]
+    assert event["action"] == "rollback" and event["restored_step"] == 4 and event["restored_from"] == "step-00000004"
+    skipped = event["skipped_batch_ids"][0]
+    assert len(skipped) == 2 * 4  # two steps' worth of sample ids, recorded
+    done = [s["step"] for s in record["steps"]]
+    assert done == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]  # steps 5-6 again after the rollback, then to the end
+    lrs = {s["step"]: s["lr"] for s in record["steps"]}
+    assert lrs[7] == pytest.approx(0.5 * record["steps"][0]["lr"])  # the lowered LR
+    assert record["contract"]["passed"]
+    # the batches after the skipped ones are what the run trained on next
+    assert not set(skipped) & set(record["final"]["next_batch"])
+
+
+def test_stop_keeps_a_checkpoint_and_exits_non_zero(tiny_run, tmp_path, capsys):
+    root, base = tiny_run
+    ck = tmp_path / "ck"
+    args = ["train"] + [
+        x
+        for item in [
+            *base,
+            "train.steps=5",
+            f"train.output_dir={tmp_path}",
+            f"checkpoint.dir={ck}",
+            "checkpoint.every=0",
+        ]
+        + ["guard.on_nonfinite=stop", "guard.inject=['nan-grad@3']"]
+        for x in ("--set", item)
+    ]
+    assert cli.main(args) == cli.EXIT_GUARD_STOP
+    assert "stopped by the stability guard at step 3" in capsys.readouterr().out
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["stopped"]["step"] == 3 and len(record["steps"]) == 3
+    state = json.loads((ck / "step-00000003" / "state.json").read_text())
+    assert state["guard"]["loss"] == [s["loss"] for s in record["steps"]]  # the window travels with it
+    # resuming from it continues with step 4
+    resumed = run(tiny_run, tmp_path / "resumed", "train.steps=5", f"checkpoint.dir={ck}", "checkpoint.resume=auto")
+    assert resumed["resume"]["step"] == 3 and [s["step"] for s in resumed["steps"]] == [4, 5]
+
+
+def test_fp16_loss_scale_collapse_is_caught(tiny_run, tmp_path):
+    """Repeated inf gradients halve the GradScaler's scale; below guard.min_loss_scale: stop. The
+    skipped fp16 steps advance neither the optimizer nor the LR schedule."""
+    record = run(
+        tiny_run,
+        tmp_path,
+        "precision=amp-fp16",
+        "train.steps=5",
+        "guard.min_loss_scale=20000",  # 65536 -> 32768 -> 16384
+        "guard.inject=['nan-grad@1', 'nan-grad@2']",
+    )
+    (event,) = record["guard"]["events"]
+    assert (event["kind"], event["step"], event["action"]) == ("scale-collapse", 3, "stop")
+    assert event["value"] == 16384.0
+    assert [s.get("skipped", False) for s in record["steps"]] == [True, True, True]
+    assert record["final"]["scheduler_step"] == 0
+
+
+def test_rolling_z_is_off_until_half_full_and_ignores_spikes():
+    det = guard.RollingZ(window=8, threshold=6.0)
+    for v in (1.0, 1.1, 0.9):
+        assert det.observe(v) is None  # 3 < 4 values: off
+    det.observe(1.0)
+    assert det.observe(10.0) > 6.0 and 10.0 not in det.values  # a spike does not enter the window
+    assert det.observe(float("nan")) == math.inf
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("guard.on_spike='ignore'", "guard.on_spike: unknown value 'ignore'"),
+        ("guard.inject=['nan@3']", "guard.inject: 'nan@3' is not KIND@STEP"),
+        ("guard.threshold=0", "guard.threshold: must be a positive number"),
+    ],
+)
+def test_guard_settings_are_validated(setting, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        C.load(None, [setting])
+
+
+def test_a_recurring_unusual_batch_widens_the_window_but_a_new_spike_is_caught():
+    """Spikes join the window winsorized at the threshold: a batch that is always unusual widens
+    it each time it comes back (its z-score falls), while one huge spike cannot mask the next."""
+    import random
+
+    g = guard.Guard(C.load(None, ["guard.window=32"]).guard, scaler=False)
+    rng = random.Random(0)
+    zs = []
+    for step in range(1, 401):
+        loss = 1.5 if step % 20 == 0 else 1.0 + 0.01 * rng.random()
+        event = g.check(step, loss, 1.0)
+        if event:
+            zs.append(event["z"])
+        g.observe(loss, 1.0)
+    assert len(zs) == 20 and all(a > b for a, b in zip(zs, zs[1:], strict=False)) and zs[-1] < zs[0] / 10
+    assert g.check(401, 10.0, 1.0)["kind"] == "spike"
+    g.observe(10.0, 1.0)
+    assert g.check(402, 10.0, 1.0)["kind"] == "spike"  # the first spike did not mask the second
