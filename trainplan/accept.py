@@ -202,8 +202,8 @@ def check_step(record: dict, overfit: dict | None) -> Check:
     fit = [s["loss"] for s in overfit["steps"]] if overfit else []
     falls = len(fit) >= 2 and all(math.isfinite(x) for x in fit) and fit[-1] < fit[0]
     summary = (
-        f"loss and grad norm finite over {len(losses)} steps: {finite}; overfitting one fixed batch "
-        f"for {len(fit)} steps: loss {fit[0]:.4f} -> {fit[-1]:.4f}"
+        f"loss and grad norm {'finite' if finite else 'NOT finite'} over {len(losses)} steps; "
+        f"overfitting one fixed batch for {len(fit)} steps: loss {fit[0]:.4f} -> {fit[-1]:.4f}"
         if fit
         else "no overfit run"
     )

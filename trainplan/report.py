@@ -22,6 +22,10 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.3f}".replace("-0.000", "0.000")
 
 
+def _pct(x: float) -> str:
+    return f"{x:+.2%}".replace("-0.00%", "+0.00%")
+
+
 def _status(passed) -> str:
     return "n/a" if passed is None else ("PASS" if passed else "FAIL")
 
@@ -67,7 +71,7 @@ def render_markdown(result: dict) -> str:
             rel = "-" if r["rel_error"] is None else f"{r['rel_error']:+.2%}"
             lines.append(
                 f"| {r['device']} | {r['phase']} | {r['component']} | {_gib(r['planned'])} | {_gib(r['measured'])} | "
-                f"{_gib(r['abs_error'])} | {rel} | {r['error_of_peak']:+.2%} | {'yes' if r['ok'] else 'NO'} |"
+                f"{_gib(r['abs_error'])} | {rel} | {_pct(r['error_of_peak'])} | {'yes' if r['ok'] else 'NO'} |"
             )
         lines += ["", "Placement (parameters per device):", ""]
         for rank, place in enumerate(ev["placement"]):
@@ -264,7 +268,7 @@ def render_html(result: dict) -> str:
             parts.append(
                 f"<tr{cls}><td>{_esc(r['device'])}</td><td>{r['phase']}</td><td>{_esc(r['component'])}</td>"
                 f"<td class='num'>{_gib(r['planned'])}</td><td class='num'>{_gib(r['measured'])}</td>"
-                f"<td class='num'>{_gib(r['abs_error'])}</td><td class='num'>{r['error_of_peak']:+.2%}</td></tr>"
+                f"<td class='num'>{_gib(r['abs_error'])}</td><td class='num'>{_pct(r['error_of_peak'])}</td></tr>"
             )
         parts.append("</table>")
     steps = rec.get("steps", [])
