@@ -176,3 +176,32 @@ def test_runs_list_show_compare(accepted, tiny_run, tmp_path, capsys):
     assert "config differences: none" in capsys.readouterr().out
     assert cli.main(["runs", "show", "99", "--registry", str(db)]) == 2
     assert "no run 99" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_accept_on_two_fsdp_ranks_measures_every_device(tiny_run, tmp_path):
+    """torchrun, 2 FSDP2 ranks: each rank's own placement and peak, compared with its own plan."""
+    code = cli.main(
+        [
+            "accept",
+            *sets(tiny_run, "train.steps=4", "batch.micro_batch_size=2", "parallel.strategy=zero3"),
+            "--output-dir",
+            str(tmp_path),
+            "--nproc",
+            "2",
+            "--resume-steps",
+            "3",
+            "--resume-at",
+            "2",
+            "--overfit-steps",
+            "3",
+        ]
+    )
+    result = json.loads((tmp_path / "accept.json").read_text())
+    assert code == 0 and result["verdict"] == "PASS", result["failing"]
+    mem = next(c for c in result["checks"] if c["key"] == "memory")["evidence"]
+    assert {r["device"] for r in mem["rows"]} == {"rank 0 (cpu)", "rank 1 (cpu)"}
+    for place in mem["placement"]:  # each rank holds shards, not the whole model
+        assert place["cpu"]["sharded"] == place["cpu"]["parameters"] > 0
+    assert result["record"]["hardware"]["world_size"] == 2
+    assert next(c for c in result["checks"] if c["key"] == "resume")["evidence"]["checks"]["weights_hash"]
