@@ -359,6 +359,10 @@ def _accept_run(args: argparse.Namespace) -> int:
             perturb[comp.strip()] = float(factor)
         except ValueError:
             raise TrainplanError(f"--perturb-plan: {item!r} is not COMPONENT=FACTOR; e.g. activations=0.5") from None
+        from trainplan.plan.ledger import COMPONENTS
+
+        if comp.strip() not in COMPONENTS:  # checked before any work starts
+            raise TrainplanError(f"--perturb-plan: no plan component {comp.strip()!r}; one of {', '.join(COMPONENTS)}")
     if not 0 < args.tolerance < 1:
         raise TrainplanError(f"--tolerance: must be in (0, 1) (got {args.tolerance}); e.g. 0.05")
     if not 0 < args.resume_at < args.resume_steps:

@@ -205,3 +205,21 @@ def test_accept_on_two_fsdp_ranks_measures_every_device(tiny_run, tmp_path):
         assert place["cpu"]["sharded"] == place["cpu"]["parameters"] > 0
     assert result["record"]["hardware"]["world_size"] == 2
     assert next(c for c in result["checks"] if c["key"] == "resume")["evidence"]["checks"]["weights_hash"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tolerance", "2"], "--tolerance: must be in (0, 1)"),
+        (["--resume-steps", "2", "--resume-at", "2"], "--resume-at: must be between 1 and 1"),
+        (["--perturb-plan", "nonsense=0.5"], "--perturb-plan: no plan component 'nonsense'"),
+        (["--perturb-plan", "activations"], "--perturb-plan: 'activations' is not COMPONENT=FACTOR"),
+        (["--set", "guard.window=1"], "guard.window: must be an integer >= 2"),
+    ],
+)
+def test_accept_bad_input_is_one_line_and_starts_nothing(tmp_path, capsys, args, message):
+    out = tmp_path / "out"
+    assert cli.main(["accept", "--output-dir", str(out), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not out.exists()
