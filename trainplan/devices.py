@@ -26,7 +26,6 @@ import json
 import math
 import os
 import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -97,11 +96,8 @@ class CheckResult:
 
 
 def catalog_entry(name: str) -> catalog.DeviceSpec | None:
-    """The catalog device a reported name denotes ('NVIDIA H200' -> H200-141GB): the longest catalog
-    name inside it that no digit follows, so an 'NVIDIA L40S' is not taken for an L4."""
-    key = catalog._key(name)
-    hits = [k for k in catalog._BY_KEY if k and re.search(re.escape(k) + r"(?!\d)", key)]
-    return catalog._BY_KEY[max(hits, key=len)] if hits else None
+    """The catalog device a reported name denotes ('NVIDIA H200' -> H200-141GB)."""
+    return catalog.reported(name)
 
 
 def _meminfo() -> dict[str, int]:

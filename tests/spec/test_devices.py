@@ -71,3 +71,18 @@ def test_parse_size_rejects(text):
 def test_cpu_is_a_device_with_host_memory():
     (cpu,) = D.parse_devices("cpu")
     assert cpu.kind == "cpu" and cpu.capacity_bytes == D.host_memory_bytes() > 0
+
+
+@pytest.mark.parametrize(
+    ("reported", "catalog"),
+    [
+        ("NVIDIA H100 80GB HBM3", "H100-80GB"),
+        ("NVIDIA H200", "H200-141GB"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40S", None),  # not an L4: a digit follows the match
+        ("NVIDIA GeForce RTX 4090", "RTX4090"),
+    ],
+)
+def test_reported_gpu_names_map_to_the_catalog(reported, catalog):
+    found = D.reported(reported)
+    assert (found.name if found else None) == catalog

@@ -240,8 +240,8 @@ def catalog_name(name: str) -> str | None:
     ('NVIDIA H100 80GB HBM3' -> 'H100-80GB'), as device detection matches them; None if unknown."""
     if name == "cpu" or name in CATALOG:
         return name
-    key = D._key(name)
-    return next((d.name for k, d in D._BY_KEY.items() if k and k in key), None)
+    known = D.reported(name)
+    return known.name if known else None
 
 
 def records_from_registry(path: str | Path) -> list[dict]:

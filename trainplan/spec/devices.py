@@ -70,6 +70,16 @@ _BY_KEY = {_key(n): d for n, d in CATALOG.items()}
 # Common short names: "H100" is the 80 GB card, "A100" is ambiguous and left out on purpose.
 _BY_KEY.update({"h100": CATALOG["H100-80GB"], "h200": CATALOG["H200-141GB"], "nvidiah200": CATALOG["H200-141GB"]})
 
+
+def reported(name: str) -> DeviceSpec | None:
+    """The catalog device that a name reported by CUDA or nvidia-smi denotes ('NVIDIA H100 80GB
+    HBM3' -> H100-80GB): the longest catalog key inside it that no digit follows, so an 'NVIDIA
+    L40S' is not taken for an L4."""
+    key = _key(name)
+    hits = [k for k in _BY_KEY if k and re.search(re.escape(k) + r"(?!\d)", key)]
+    return _BY_KEY[max(hits, key=len)] if hits else None
+
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(KiB|MiB|GiB|TiB|KB|MB|GB|TB|B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "b": 1,
@@ -157,7 +167,7 @@ def detect() -> list[DeviceSpec]:
         devices = []
         for line in out.strip().splitlines():
             gpu_name, mib = (p.strip() for p in line.rsplit(",", 1))
-            known = next((d for k, d in _BY_KEY.items() if k and k in _key(gpu_name)), None)
+            known = reported(gpu_name)
             bf16 = known.bf16 if known else True
             tflops = known.peak_tflops if known else None
             devices.append(
