@@ -26,9 +26,7 @@ import json
 import math
 import os
 import platform
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -148,23 +146,6 @@ def cpu_info() -> DeviceInfo:
     )
 
 
-def _nvidia_smi(fields: str) -> list[list[str]]:
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return []
-    try:
-        out = subprocess.run(
-            [smi, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-    except (subprocess.SubprocessError, OSError):
-        return []
-    return [[p.strip() for p in line.split(",")] for line in out.strip().splitlines() if line.strip()]
-
-
 def _nvml_versions() -> tuple[str, dict[str, str]]:
     """NVML's source and the driver / CUDA-driver versions it reports."""
     try:
@@ -179,7 +160,7 @@ def _nvml_versions() -> tuple[str, dict[str, str]]:
         }
     except Exception:  # no pynvml, or no NVIDIA driver
         pass
-    rows = _nvidia_smi("driver_version")
+    rows = catalog.nvidia_smi("driver_version")
     if rows:
         return "nvidia-smi", {"driver": rows[0][0]}
     return "NVML not available", {"driver": "none"}
@@ -211,7 +192,7 @@ def _nvml_device(index: int, source: str) -> dict | None:
                 out[key] = None
         return out
     if source == "nvidia-smi" and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        rows = _nvidia_smi("memory.used,temperature.gpu,power.draw")
+        rows = catalog.nvidia_smi("memory.used,temperature.gpu,power.draw")
         if index < len(rows):
             used, temp, power = rows[index]
             return {"used_bytes": _number(used, catalog.MiB), "temperature_c": _number(temp), "power_w": _number(power)}
@@ -254,7 +235,7 @@ def inventory() -> Inventory:
     }
     notes = []
     if not torch.cuda.is_available():
-        smi = _nvidia_smi("name")
+        smi = catalog.nvidia_smi("name")
         if smi:
             notes.append(
                 f"nvidia-smi sees {len(smi)} GPU(s) ({smi[0][0]}) but torch {torch.__version__} cannot use CUDA: "

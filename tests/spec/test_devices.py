@@ -86,3 +86,15 @@ def test_cpu_is_a_device_with_host_memory():
 def test_reported_gpu_names_map_to_the_catalog(reported, catalog):
     found = D.reported(reported)
     assert (found.name if found else None) == catalog
+
+
+def test_detect_reads_nvidia_smi(tmp_path, monkeypatch):
+    """A stand-in nvidia-smi on PATH: each GPU on its own, matched to the catalog where known."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf 'NVIDIA H100 80GB HBM3, 81559\\nNVIDIA L40S, 46068\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    h100, l40s = D.detect()
+    assert (h100.name, h100.kind, h100.capacity_bytes) == ("NVIDIA H100 80GB HBM3", "cuda", 81559 * D.MiB)
+    assert h100.peak_tflops == D.CATALOG["H100-80GB"].peak_tflops
+    assert l40s.capacity_bytes == 46068 * D.MiB and l40s.peak_tflops is None  # unknown card: no nominal figure

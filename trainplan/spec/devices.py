@@ -150,23 +150,31 @@ def lookup(name: str, field: str = "hardware.gpus") -> DeviceSpec:
     )
 
 
+def nvidia_smi(fields: str) -> list[list[str]]:
+    """One row per GPU of `nvidia-smi --query-gpu=FIELDS` (no torch import); [] without it."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return []
+    try:
+        out = subprocess.run(
+            [smi, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (subprocess.SubprocessError, OSError):
+        return []
+    return [[p.strip() for p in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+
+
 def detect() -> list[DeviceSpec]:
     """The devices of this machine: NVIDIA GPUs via nvidia-smi (no torch import), else the CPU."""
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        try:
-            out = subprocess.run(
-                [smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-                check=True,
-            ).stdout
-        except (subprocess.SubprocessError, OSError):
-            out = ""
+    rows = nvidia_smi("name,memory.total")
+    if rows:
         devices = []
-        for line in out.strip().splitlines():
-            gpu_name, mib = (p.strip() for p in line.rsplit(",", 1))
+        for *name_parts, mib in rows:
+            gpu_name = ",".join(name_parts)
             known = reported(gpu_name)
             bf16 = known.bf16 if known else True
             tflops = known.peak_tflops if known else None
