@@ -21,6 +21,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of both loops")
+    ap.add_argument("--paired", action="store_true", help="interleave the two loops step by step in one run")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     import peft
@@ -63,7 +64,7 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         return times
 
-    def hf() -> list[float]:
+    def hf(interleave=None) -> list[float]:
         torch.manual_seed(0)
         directory = models.weights_dir(cfg)
         model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
@@ -78,10 +79,14 @@ def main() -> None:
 
         class Timer(transformers.TrainerCallback):
             def on_step_begin(self, *a, **k):
+                if interleave is not None and len(times) % 2 == 0:
+                    interleave(len(times))  # one of our steps right before this HF step
                 self.t0 = time.perf_counter()
 
             def on_step_end(self, *a, **k):
                 times.append(time.perf_counter() - self.t0)
+                if interleave is not None and len(times) % 2 == 0:
+                    interleave(len(times) - 1)  # ...and right after this one: the order alternates
 
         targs = transformers.TrainingArguments(
             output_dir="/tmp/trainplan-bench-hf",
@@ -100,6 +105,32 @@ def main() -> None:
         trainer = transformers.Trainer(model=model, args=targs, train_dataset=rows, callbacks=[Timer()])
         trainer.train()
         return times
+
+    if args.paired:
+        # Step-paired: both models live in this process and each HF Trainer step is adjacent to one
+        # step of trainplan's loop (before it on even steps, after it on odd ones), so drift of a
+        # noisy machine hits both alike. The ratio is the median of the per-pair ratios.
+        torch.manual_seed(0)
+        model = models.load_model(cfg, r.spec, r.precision, torch.device("cpu"))
+        opt = step.build_optimizer(model, "adamw", "auto", 1e-3, 0.0, "cpu")
+        ours_times: list[float] = []
+
+        def one_of_ours(i: int) -> None:
+            j = i % (ids.shape[0] // micro)
+            batch = [{"input_ids": ids[j * micro : (j + 1) * micro], "labels": labels[j * micro : (j + 1) * micro]}]
+            t0 = time.perf_counter()
+            step.train_step(model, opt, batch, prec=r.precision, device_type="cpu")
+            ours_times.append(time.perf_counter() - t0)
+
+        hf_times = hf(interleave=one_of_ours)
+        pairs = list(zip(ours_times[1:], hf_times[1:], strict=False))  # drop the warm-up pair
+        ratio = statistics.median(h / o for o, h in pairs)
+        a = statistics.median(tokens_per_step / o for o, _ in pairs)
+        b = statistics.median(tokens_per_step / h for _, h in pairs)
+        print(f"trainplan loop:        {a:8.1f} tokens/s (median of {len(pairs)} paired steps)")
+        print(f"HF Trainer + PEFT:     {b:8.1f} tokens/s")
+        print(f"ratio trainplan / HF:  {ratio:.3f} (median of per-pair ratios)")
+        return
 
     ours_tps, hf_tps = [], []
     for i in range(args.rounds):  # alternate which goes first: the second run of a pair meets a warmer machine
