@@ -186,6 +186,19 @@ def check_memory(record: dict, ledger, tolerance: float) -> Check:
 # ---- (c) training step ----------------------------------------------------------------------
 
 
+def _scaler_skipped(record: dict) -> set[int]:
+    """Steps the amp-fp16 GradScaler skipped for inf gradients: AMP working as designed, so their
+    (infinite) grad norm is no instability."""
+    if record["config"]["precision"] != "amp-fp16":
+        return set()
+    return {s["step"] for s in record["steps"] if s.get("skipped") and not math.isfinite(s["grad_norm"])}
+
+
+def _scaler_free(record: dict) -> list[dict]:
+    skipped = _scaler_skipped(record)
+    return [s for s in record["steps"] if s["step"] not in skipped]
+
+
 def check_step(record: dict, overfit: dict | None) -> Check:
     if record["config"]["mode"] == "inference":
         finite = math.isfinite(record["eval_before"]["loss"])
@@ -197,7 +210,7 @@ def check_step(record: dict, overfit: dict | None) -> Check:
             {"eval_loss": record["eval_before"]["loss"]},
         )
     losses = [s["loss"] for s in record["steps"]]
-    norms = [s["grad_norm"] for s in record["steps"]]
+    norms = [s["grad_norm"] for s in _scaler_free(record)]
     finite = all(math.isfinite(x) for x in losses + norms)
     fit = [s["loss"] for s in overfit["steps"]] if overfit else []
     falls = len(fit) >= 2 and all(math.isfinite(x) for x in fit) and fit[-1] < fit[0]
@@ -296,7 +309,7 @@ def check_instability(record: dict) -> Check:
     if record["config"]["mode"] == "inference":
         return Check("instability", "Instability scan", None, "inference: no training history", {})
     min_history = min(10, guard.WINDOW // 2)
-    scan = guard.scan(record["steps"], min_history=min_history)
+    scan = guard.scan(record["steps"], min_history=min_history, ignore=_scaler_skipped(record))
     clip = record["config"]["train"]["max_grad_norm"]
     events = scan["events"]
     failing = [e for e in events if e["kind"] == "non-finite" or e["key"] == "loss"]

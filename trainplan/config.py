@@ -137,7 +137,7 @@ class GuardConfig:
     on_spike: str = "skip"
     on_scale_collapse: str = "stop"  # amp-fp16: the GradScaler's scale fell below min_loss_scale
     min_loss_scale: float = 1.0
-    rollback_skip: int = 1  # optimizer steps' worth of batches skipped after a rollback
+    rollback_skip: int = 0  # rollback skips the batches from the checkpoint through the bad step, and this many more
     rollback_lr_factor: float = 1.0  # multiply the learning rate after a rollback (e.g. 0.5)
     max_rollbacks: int = 3  # then stop
     inject: list[str] = field(default_factory=list)  # fault injection for tests: "nan-loss@5", "spike@9"

@@ -64,7 +64,7 @@ def row_from_record(record: dict, *, kind: str, verdict: str, device: str) -> di
     cfg = record["config"]
     rates = sorted(s["tokens_per_s"] for s in record.get("steps", []))
     peaks = {}
-    for rank, m in enumerate(record.get("memory", {}).get("per_rank", [])):
+    for rank, m in enumerate((record.get("memory") or {}).get("per_rank", [])):
         peaks[f"rank{rank}:{m['device']}"] = m.get("peak_bytes")
     return {
         "kind": kind,

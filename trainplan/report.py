@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 
 GROUP_COLORS = {
     "states": "#4e79a7",
@@ -117,7 +118,9 @@ def _axis_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
 
 
 def svg_lines(series: list[tuple[str, list[tuple[float, float]]]], *, title: str, xlabel: str, ylabel: str) -> str:
-    """A line chart; each series (name, points). Markers on every point."""
+    """A line chart; each series (name, points). Markers on every point; non-finite values are
+    left out (a skipped fp16 step's infinite grad norm)."""
+    series = [(name, [(x, y) for x, y in s if math.isfinite(y)]) for name, s in series]
     w, h, left, right, top, bottom = 640, 300, 64, 16, 32, 44
     pts = [p for _, s in series for p in s]
     if not pts:

@@ -119,7 +119,8 @@ def test_rollback_restores_the_checkpoint_skips_batches_and_completes(tiny_run, 
     (event,) = record["guard"]["events"]
     assert event["action"] == "rollback" and event["restored_step"] == 4 and event["restored_from"] == "step-00000004"
     skipped = event["skipped_batch_ids"][0]
-    assert len(skipped) == 2 * 4  # two steps' worth of sample ids, recorded
+    # the batches from the checkpoint through the bad step (5, 6), and rollback_skip = 2 more
+    assert len(skipped) == (6 - 4 + 2) * 4
     done = [s["step"] for s in record["steps"]]
     assert done == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]  # steps 5-6 again after the rollback, then to the end
     lrs = {s["step"]: s["lr"] for s in record["steps"]}
@@ -213,3 +214,33 @@ def test_a_recurring_unusual_batch_widens_the_window_but_a_new_spike_is_caught()
     assert g.check(401, 10.0, 1.0)["kind"] == "spike"
     g.observe(10.0, 1.0)
     assert g.check(402, 10.0, 1.0)["kind"] == "spike"  # the first spike did not mask the second
+
+
+def test_rollback_never_uses_another_runs_checkpoint(tiny_run, tmp_path):
+    """A stale, newer checkpoint of an earlier run in the same directory is not a rollback target."""
+    ck = tmp_path / "ck"
+    common = [f"checkpoint.dir={ck}", "checkpoint.every=4", "checkpoint.keep_last=3"]
+    run(tiny_run, tmp_path / "earlier", "train.steps=12", *common)  # leaves step-4, 8, 12
+    record = run(
+        tiny_run,
+        tmp_path / "now",
+        "train.steps=8",
+        *common,
+        "guard.on_nonfinite=rollback",
+        "guard.inject=['nan-loss@6']",
+    )
+    (event,) = record["guard"]["events"]
+    assert event["restored_from"] == "step-00000004" and event["restored_step"] == 4
+    assert [s["step"] for s in record["steps"]][-3:] == [6, 7, 8]
+
+
+def test_accept_does_not_count_the_fp16_scalers_own_skips_as_instability():
+    """amp-fp16: a step the GradScaler skipped for inf gradients is AMP at work, not a NaN."""
+    from trainplan import accept
+
+    steps = [{"step": i, "loss": 2.0 - 0.01 * i, "grad_norm": 1.0} for i in range(1, 13)]
+    steps[3] = {**steps[3], "grad_norm": math.inf, "skipped": True}
+    record = {"config": {"precision": "amp-fp16", "mode": "full", "train": {"max_grad_norm": 1.0}}, "steps": steps}
+    assert accept.check_instability(record).passed
+    record["config"]["precision"] = "fp32"  # without a GradScaler the same inf is an instability
+    assert not accept.check_instability(record).passed

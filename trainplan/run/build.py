@@ -102,7 +102,8 @@ def build_model(
     if cfg.mode == "qlora":
         if not torch.cuda.is_available():
             raise TrainplanError(
-                "run.mode: qlora needs bitsandbytes on CUDA; it cannot be built on the CPU (the analytic plan covers it)"
+                "run.mode: qlora needs bitsandbytes on CUDA; it cannot be built on the CPU "
+                "(the analytic plan covers it)"
             )
         raise TrainplanError(
             "run.mode: qlora is planned (`trainplan plan`) but this engine does not run it yet; use mode = lora"

@@ -66,12 +66,16 @@ def scan(
     window: int = WINDOW,
     threshold: float = THRESHOLD,
     min_history: int | None = None,
+    ignore: set[int] = frozenset(),
 ) -> dict:
-    """Scan a run's per-step history: non-finite values, and spikes above `threshold` sigma."""
+    """Scan a run's per-step history: non-finite values, and spikes above `threshold` sigma.
+    `ignore`: steps whose grad norm is not evidence (the fp16 GradScaler's own skips)."""
     events = []
     detectors = {k: RollingZ(window=window, threshold=threshold, min_history=min_history) for k in keys}
     for s in steps:
         for k, det in detectors.items():
+            if k == "grad_norm" and s["step"] in ignore:
+                continue
             value = float(s[k])
             z = det.observe(value)
             if not math.isfinite(value):

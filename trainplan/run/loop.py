@@ -214,6 +214,7 @@ def run(cfg: C.RunConfig, *, quiet: bool = False, register: bool = True) -> dict
                 code = int(env.all_reduce_max(code)) if env.world > 1 else int(code)
                 if code and event is None:  # another rank saw it
                     event = {"step": i + 1, "kind": "remote", "key": "-", "value": float("nan")}
+                if code:  # the most severe action of any rank, on every rank
                     event["action"] = guard.ACTIONS[code - 1]
                 sentinel.observe(loss_v, norm_v)
                 if event is not None:
@@ -361,6 +362,7 @@ class _Checkpoints:
         self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
         # FSDP2 strategies write DCP shards, readable at any world size (one process included)
         self.sharded = cfg.parallel.strategy in ("zero3", "fsdp-grad-op")
+        self.last: Path | None = None  # the newest checkpoint of this run (written or resumed from)
         self.expect = {
             "model_fingerprint": _model_fingerprint(r.spec, cfg),
             "mode": cfg.mode,
@@ -381,7 +383,7 @@ class _Checkpoints:
             "guard": sentinel.state_dict(),
             "config": self.cfg.to_dict(),
         }
-        checkpoint.save(
+        self.last = checkpoint.save(
             self.root,
             step=step_no,
             model=getattr(model, "module", model),
@@ -415,18 +417,21 @@ class _Checkpoints:
             event["action"] = "stop"
             event["note"] = f"{sentinel.rollbacks} rollback(s) already (guard.max_rollbacks): stopping"
             return None
-        path, _ = checkpoint.latest_valid(self.root)
-        if path is None:
+        path = self.last  # never another run's checkpoint that happens to share the directory
+        if path is None or checkpoint.validate(path) is not None:
             event["action"] = "skip"
-            event["note"] = "no valid checkpoint to roll back to: the step was skipped instead"
+            event["note"] = "no valid checkpoint of this run to roll back to: the step was skipped instead"
             return None
         state = self._load(path, model, optimizer, scheduler, scaler, sampler)
         count = sentinel.rollbacks + 1
         if "guard" in state:
             sentinel.load_state_dict(state["guard"])
         sentinel.rollbacks = count
+        # As PaLM did: skip the batches seen between the checkpoint and the bad step, that one
+        # included, plus guard.rollback_skip more after it.
         per_step = self.batch.micro_batch_size * self.batch.grad_accum_steps
-        skipped = [i for _ in range(g.rollback_skip) for i in sampler.take(per_step)]
+        steps = event["step"] - state["step"] + g.rollback_skip
+        skipped = [i for _ in range(steps) for i in sampler.take(per_step)]
         if g.rollback_lr_factor != 1.0:
             scheduler.base_lrs = [b * g.rollback_lr_factor for b in scheduler.base_lrs]
             for group in optimizer.param_groups:
@@ -468,6 +473,7 @@ class _Checkpoints:
                 print(f"trainplan train: resume: {note}", file=sys.stderr)
         record["resume"]["notes"] = state["notes"]
         record["resume"]["from"] = str(path)
+        self.last = path
         record["resume"]["step"] = state["step"]
         return state["step"], state["tokens_seen"]
 

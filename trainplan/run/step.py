@@ -86,9 +86,11 @@ def train_step(
         del loss
     on_phase("optimizer")
     params = [p for p in model.parameters() if p.grad is not None]
-    if "nan-grad" in inject and params:
-        g = params[0].grad
-        (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = float("nan")
+    if "nan-grad" in inject:  # on this rank's first non-empty gradient (FSDP shards can be empty)
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in params)]
+        target = next((g for g in local if g.numel()), None)
+        if target is not None:
+            target.view(-1)[0] = float("nan")
     if scaler is not None:
         scaler.unscale_(optimizer)
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
