@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from trainplan import config as C
@@ -29,15 +31,88 @@ def make_cfg():
 
 @pytest.fixture(scope="session")
 def tiny_llama():
-    """A 2-layer Llama config (hidden 64, GQA 4/2, vocab 256) as transformers' config.json dict."""
-    return {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 160,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 256,
-        "max_position_embeddings": 128,
-        "tie_word_embeddings": False,
-    }
+    """A 2-layer Llama config (hidden 64, GQA 4/2, vocab 256) as transformers' config.json dict:
+    the same tiny model `trainplan devices` steps in its determinism check."""
+    from trainplan.devices import TINY_LLAMA
+
+    return dict(TINY_LLAMA)
+
+
+# A tiny Llama that holds the embedded SmolLM2 tokenizer's 49,152-token vocabulary.
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 49152,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """A tiny model config, a small text corpus (six documents), and a base set of overrides."""
+    root = tmp_path_factory.mktemp("tiny")
+    (root / "config.json").write_text(json.dumps(TINY))
+    corpus = root / "corpus"
+    corpus.mkdir()
+    import pydoc_data.topics as topics
+
+    for name in sorted(topics.topics)[:6]:
+        (corpus / f"{name}.txt").write_text(topics.topics[name][:6000])
+    # the same tiny model with saved weights, so runs on different rank counts start identical
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY))
+    model.save_pretrained(root / "weights")
+    from trainplan.run.models import gguf_cache
+    from trainplan.spec.model import default_gguf_path
+
+    tokenizer_dir = gguf_cache(default_gguf_path(), "~/.cache/trainplan")
+    transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(root / "weights")
+    base = [
+        f"model.source={root / 'config.json'}",
+        f"data.source={corpus}",
+        "data.eval_fraction=0.34",
+        "batch.seq_len=32",
+        "batch.micro_batch_size=4",
+        "train.steps=3",
+        "train.eval_batches=2",
+        "optim.lr=1e-3",
+        "precision=fp32",
+    ]
+    return root, base
+
+
+@pytest.fixture(scope="session")
+def small_pretrained(tiny_run, tmp_path_factory):
+    """A ready model for long fine-tuning runs: a tiny Llama with its own 512-token byte-level BPE
+    (trained on the corpus), pretrained for 300 steps, so 1000 fine-tuning steps take seconds."""
+    import torch
+    import transformers
+    from tokenizers import ByteLevelBPETokenizer
+
+    root, _ = tiny_run
+    out = tmp_path_factory.mktemp("small") / "model"
+    texts = [p.read_text() for p in sorted((root / "corpus").iterdir())]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=512, min_frequency=2, special_tokens=["<eos>"])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**{**TINY, "vocab_size": 512}))
+    ids = [i for t in texts for i in tok(t)["input_ids"] + [tok.eos_token_id]]
+    x = torch.tensor(ids[: len(ids) // 32 * 32]).view(-1, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(300):
+        batch = x[torch.randint(0, len(x), (8,))]
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

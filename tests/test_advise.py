@@ -368,29 +368,11 @@ def test_out_file_skips_what_the_training_engine_does_not_run(tmp_path, capsys):
     assert plan(cfg).fits
 
 
-TINY = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 49152,  # the embedded SmolLM2 tokenizer's vocabulary
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": True,
-}
-
-
 @pytest.mark.slow
-def test_out_file_trains_as_it_is(tmp_path, capsys, monkeypatch):
-    (tmp_path / "config.json").write_text(json.dumps(TINY))
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    import pydoc_data.topics as topics
-
-    for name in sorted(topics.topics)[:6]:
-        (corpus / f"{name}.txt").write_text(topics.topics[name][:6000])
-    monkeypatch.chdir(tmp_path)
+def test_out_file_trains_as_it_is(tiny_run, tmp_path, capsys, monkeypatch):
+    root, _ = tiny_run  # config.json (a tiny Llama) and a small corpus
+    corpus = root / "corpus"
+    monkeypatch.chdir(root)
     out = tmp_path / "chosen.toml"
     settings = [
         f"data.source={corpus}",

@@ -53,10 +53,6 @@ class Check:
         return dataclasses.asdict(self)
 
 
-def _status(passed: bool | None) -> str:
-    return "n/a" if passed is None else ("PASS" if passed else "FAIL")
-
-
 # ---- (a) contract ---------------------------------------------------------------------------
 
 
