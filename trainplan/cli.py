@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -509,6 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # bitsandbytes' CPU backend warns when peft imports it, about an optional `kernels` package
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         return args._run(args)
     except TrainplanError as e:

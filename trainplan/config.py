@@ -99,16 +99,21 @@ class TrainConfig:
     stop_after: int = 0  # stop after this many steps without changing the schedule (an interruption)
     measure_memory: bool = True  # measure one real step per phase and device (the run's second step)
     overfit_batches: int = 0  # >0: every step reuses these first micro-batches (the overfit check)
+    # The loss without the (tokens x vocab) logits: chunked fused linear cross-entropy (run/loss.py)
+    fused_loss: bool = True
+    loss_chunk_tokens: int = 128  # rows of logits formed at a time by the fused loss
 
     def __post_init__(self) -> None:
         _positive_int("train", "steps", self.steps)
         for name in ("seed", "warmup_steps", "eval_every", "eval_batches", "stop_after", "overfit_batches"):
             _positive_int("train", name, getattr(self, name), minimum=0)
+        _positive_int("train", "loss_chunk_tokens", self.loss_chunk_tokens)
         _choice("train", "schedule", self.schedule, SCHEDULES)
-        if not isinstance(self.measure_memory, bool):
-            raise ConfigError(
-                "train.measure_memory", f"must be true or false (got {self.measure_memory!r})", "write true or false"
-            )
+        for name in ("measure_memory", "fused_loss"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    f"train.{name}", f"must be true or false (got {getattr(self, name)!r})", "write true or false"
+                )
         if (
             isinstance(self.max_grad_norm, bool)
             or not isinstance(self.max_grad_norm, int | float)

@@ -120,8 +120,11 @@ def test_trace_matches_the_profilers_allocator_events(tiny_dir, case):
     result, _ = traced.trace(cfg, real=True)
     profiled = _profiled_peaks(cfg)
     for phase, comps in result.phases.items():
-        # the profiler also sees a handful of scalars the autograd engine allocates outside the dispatcher
-        assert abs(sum(comps.values()) - profiled[phase]) <= 64, phase
+        # The profiler also sees a handful of scalars the autograd engine allocates outside the
+        # dispatcher and, in the layers' backward (the peak once the fused loss left it there),
+        # temporaries CPU kernels allocate internally: 1,792 B of 2.2 MB under amp-bf16.
+        slack = 64 if phase != "backward" else 64 + 0.001 * result.peak_bytes
+        assert abs(sum(comps.values()) - profiled[phase]) <= slack, phase
 
 
 def test_fsdp_trace_per_rank_with_a_fake_process_group(tiny_dir):

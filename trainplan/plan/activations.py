@@ -248,6 +248,16 @@ def head_saved(spec: ModelSpec, ctx: ActContext, lm_head_trainable: bool) -> lis
     return out
 
 
+# Architectures whose forward applies the output head and nothing else to the final hidden state
+# (no soft-capping or logit scaling), so the fused loss computes exactly their loss.
+FUSED_LOSS_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "phi3", "gpt2"})
+
+
+def fused_loss_applies(spec: ModelSpec, *, enabled: bool, mode: str, tp: int) -> bool:
+    """Whether a step computes its loss through run/loss.py's chunked fused head."""
+    return enabled and mode != "inference" and tp == 1 and spec.model_type in FUSED_LOSS_MODEL_TYPES
+
+
 def logits_loss_bytes(spec: ModelSpec, ctx: ActContext, head_grad_bytes: int) -> dict[str, int]:
     """Logits and cross-entropy buffers at their forward and backward peaks.
 
@@ -272,6 +282,38 @@ def logits_loss_bytes(spec: ModelSpec, ctx: ActContext, head_grad_bytes: int) ->
     if loss_bwd >= head_bwd:  # nll_loss's backward has run and released the labels it saved
         return {"forward": fwd + softcap, "backward": loss_bwd + softcap, "backward_grads": 0}
     return {"forward": fwd + softcap, "backward": tv * cb, "backward_grads": head_grad_bytes}
+
+
+def fused_loss_bytes(
+    spec: ModelSpec, ctx: ActContext, *, chunk_tokens: int, head_trainable: bool, head_bytes: int, grad_bytes: int
+) -> dict[str, int]:
+    """Buffers of run/loss.py's chunked fused linear cross-entropy, at its forward and backward peaks.
+
+    Forward, inside one chunk: the shifted int64 targets; dL/dhidden for every token in the hidden
+    dtype; dL/dW in the compute dtype (trainable head); the compute-dtype copy of a wider head
+    weight (`head_bytes` its stored width); and one chunk's logits in fp32 beside their
+    compute-dtype form, with the chunk's hidden rows cast to the compute dtype. Backward starts
+    with dL/dhidden and dL/dW; a head stored wider than the compute dtype takes a copy of dL/dW in
+    its own dtype as its gradient ("backward_grads", counted in the gradients row).
+    """
+    tokens, vocab, hidden = ctx.tokens, spec.vocab_size, spec.hidden_size
+    cb, hb = ctx.compute_bytes, ctx.residual_bytes
+    rows = min(chunk_tokens, tokens)
+    chunk = rows * vocab * (FP32 + (cb if cb != FP32 else 0)) + (rows * hidden * cb if hb != cb else 0)
+    # per-row scalars beside them: int64 targets, bool mask, picked logit, max, sum, a temporary
+    chunk += rows * (21 + (8 if cb == FP32 else 0))
+    cast = vocab * hidden * cb if head_bytes != cb else 0
+    grad_w = vocab * hidden * cb if head_trainable else 0
+    grad_h = tokens * hidden * hb
+    forward = tokens * 8 + grad_h + grad_w + cast + chunk
+    if not head_trainable:
+        return {"forward": forward, "backward": grad_h, "backward_grads": 0}
+    widened = head_bytes != cb  # dL/dW.to(weight dtype) is a new tensor beside the compute-dtype one
+    return {
+        "forward": forward,
+        "backward": grad_h + (grad_w if widened else 0),
+        "backward_grads": vocab * hidden * grad_bytes,
+    }
 
 
 def step_inputs_bytes(spec: ModelSpec, ctx: ActContext) -> int:

@@ -53,6 +53,11 @@ class Resolved:
     def training(self) -> bool:
         return self.cfg.mode != "inference"
 
+    @property
+    def fused_loss(self) -> bool:
+        train = self.cfg.train
+        return A.fused_loss_applies(self.spec, enabled=train.fused_loss, mode=self.cfg.mode, tp=self.dims.tp)
+
 
 def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
     spec = spec or load_model_spec(cfg.model.source)
@@ -310,8 +315,9 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         cast = [
             t
             for t in trainable
-            if t.role in ("linear", "bias", "lm_head", "router", "expert")
-            or (t.role == "embedding" and spec.tie_word_embeddings and last)
+            if t.role in ("linear", "bias", "router", "expert")
+            or (t.role == "lm_head" and not r.fused_loss)  # the fused loss casts the head per call
+            or (t.role == "embedding" and spec.tie_word_embeddings and last and not r.fused_loss)
         ]
         copies_fwd = copies_bwd = sum(_tp_numel(t, tp) for t in cast) * cb
         explain["weight_copies"] = (
@@ -432,7 +438,8 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     saved_layers = len(layer_list) * A.total(per_layer)
     if first and not full:  # the frozen embedding's output needs no grad: layer 0's first norm saves nothing
         saved_layers += A.total(A.layer_saved(spec, ctx, input_requires_grad=False)) - A.total(per_layer)
-    head_saved = A.head_saved(spec, ctx, lm_head_trainable=full) if last else []
+    fused = r.fused_loss and last
+    head_saved = A.head_saved(spec, ctx, lm_head_trainable=full and not fused) if last else []
     in_flight = min(dims.pp - stage, batch.grad_accum_steps) if dims.pp > 1 else 1
     layer_in = ctx.tokens * spec.hidden_size * residual
     if cfg.memory.activation_checkpointing:
@@ -454,14 +461,32 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         )
     details["activations (one layer)"] = [(s.name, s.nbytes) for s in per_layer]
     head_grad = first_grads if (full and not persistent_grads) else 0
-    logits = A.logits_loss_bytes(spec, ctx, head_grad) if last else {"forward": 0, "backward": 0, "backward_grads": 0}
+    if fused:
+        logits = A.fused_loss_bytes(
+            spec,
+            ctx,
+            chunk_tokens=cfg.train.loss_chunk_tokens,
+            head_trainable=full,
+            head_bytes=cb if fsdp else (prec.param_bytes if full else prec.frozen_bytes),
+            grad_bytes=prec.grad_bytes,
+        )
+    elif last:
+        logits = A.logits_loss_bytes(spec, ctx, head_grad)
+    else:
+        logits = {"forward": 0, "backward": 0, "backward_grads": 0}
     step_inputs = A.step_inputs_bytes(spec, ctx)
     act_fwd += in_flight * step_inputs
     act_bwd += in_flight * step_inputs
-    if last and (autocast or not full):  # lm_head saved a cast, or nothing: the final hidden state is
-        # still referenced by the model output during the loss
+    if last and (autocast or not full or fused):  # lm_head saved a cast, or nothing: the final hidden
+        # state is still referenced by the model output during the loss
         act_fwd += ctx.tokens * spec.hidden_size * residual
-    if last:
+    if fused:
+        explain["logits_loss"] = (
+            f"fused loss: {min(cfg.train.loss_chunk_tokens, ctx.tokens)} of {ctx.tokens} tokens' logits "
+            f"at a time over {spec.vocab_size:,} vocab, plus the hidden-state gradient"
+            + (" and the head weight's gradient" if full else "")
+        )
+    elif last:
         explain["logits_loss"] = (
             f"{ctx.tokens} tokens x {spec.vocab_size // tp:,} vocab: logits in "
             f"{prec.compute_dtype}, the fp32 upcast for the loss, log-softmax output "
@@ -528,6 +553,53 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         "comm_buffers": comm_end,
     }
     candidates = [phases["backward"], backward_end]
+    if fused and layer_list and not cfg.memory.activation_checkpointing:
+        # Without the logits buffers, the top layer's MLP backward can be the peak: every layer's
+        # saved tensors, the MLP's intermediate gradients, and the gradients formed so far (head,
+        # final norm, the top layer's down projection).
+        top = layer_list[-1]
+        formed = [
+            t
+            for t in trainable
+            if (t.layer is None and t.role == "norm")
+            or (t.layer == top and ".mlp." in t.name and t.module in ("down_proj", "c_proj"))
+        ]
+        formed_bytes = sum(_sharded_numel(t, tp, shard_g) for t in formed) * prec.grad_bytes
+        top_down_in = ctx.tokens * inter * cb if full else 0
+        top_layer = dict(backward_end)
+        top_layer["gradients"] = g_live_fwd if persistent_grads and full else first_grads + formed_bytes
+        top_layer["adapter"] = adapter_live + (adapter_g if persistent_grads else 0)
+        top_layer["weight_copies"] = copies_bwd
+        top_layer["comm_buffers"] = comm_bwd  # no unit has finished its backward yet
+        if fsdp and full:  # gradients stay unsharded, in the compute dtype, until their unit's reduce-scatter
+            top_layer["gradients"] = 0
+            top_layer["comm_buffers"] += (head.numel + sum(t.numel for t in formed)) * cb
+        if dims.strategy == "zero3" and len(layer_list) > 1:
+            top_layer["weight_copies"] = copies_bwd + max(units, default=0) * cb  # the next unit, prefetched
+        top_layer["activations"] = (
+            in_flight * (saved_layers + step_inputs) - top_down_in + 3 * ctx.tokens * inter * cb + layer_in
+        )
+        candidates.append(top_layer)
+        # An RMSNorm's backward: the final norm's (under LoRA, the top layer's input norm, after
+        # that layer's adapter gradients): every layer's saved tensors, dL/dhidden and the norm's
+        # fp32 (tokens x hidden) temporaries, 2 when the residual stream is fp32 and 4 when it is
+        # upcast or under LoRA (counted on the trace, transformers 5.24's LlamaRMSNorm).
+        temps = 4 if (residual != 4 or not full) else 2
+        norm_bwd = dict(top_layer)
+        norm_bwd["gradients"] = g_live_fwd if persistent_grads and full else first_grads
+        norm_bwd["weight_copies"] = copies_bwd
+        norm_bwd["comm_buffers"] = comm_bwd
+        if fsdp and full:
+            norm_bwd["gradients"] = 0
+            norm_bwd["comm_buffers"] += head.numel * cb
+        if not full and not persistent_grads:
+            norm_bwd["adapter"] = adapter_live + adapter_g // len(layer_list)
+        norm_bwd["activations"] = (
+            in_flight * (saved_layers + step_inputs)
+            + A.total(head_saved)
+            + ctx.tokens * spec.hidden_size * (residual + temps * 4)
+        )
+        candidates.append(norm_bwd)
     if cfg.memory.activation_checkpointing and layer_list:
         # Checkpointing: the top layer is recomputed while every layer's kept input still exists.
         top_layer = dict(backward_end)

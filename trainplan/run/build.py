@@ -12,6 +12,8 @@ from torch import nn
 
 from trainplan.config import RunConfig
 from trainplan.errors import TrainplanError
+from trainplan.plan.activations import fused_loss_applies
+from trainplan.run import loss, qlora
 from trainplan.spec.model import ModelSpec
 from trainplan.spec.parallel import ParallelDims
 from trainplan.spec.precision import Precision
@@ -91,29 +93,39 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, prec: Precision, mesh) -> n
 
 
 def build_model(
-    spec: ModelSpec, cfg: RunConfig, prec: Precision, *, dims: ParallelDims | None = None, mesh=None
+    spec: ModelSpec,
+    cfg: RunConfig,
+    prec: Precision,
+    *,
+    dims: ParallelDims | None = None,
+    mesh=None,
+    allow_cpu: bool = False,
 ) -> nn.Module:
     """The model on the meta device, with mode, precision, checkpointing and FSDP applied.
 
     Materialize it with `materialize` (real tensors) or inside a fake mode (the tracer).
+    allow_cpu: build qlora without CUDA, on bitsandbytes' CPU backend (tests only).
     """
     import transformers
 
     if cfg.mode == "qlora":
-        if not torch.cuda.is_available():
+        qlora.require_cuda(allow_cpu=allow_cpu)
+        if dims is not None and dims.shards_params:
             raise TrainplanError(
-                "run.mode: qlora needs bitsandbytes on CUDA; it cannot be built on the CPU "
-                "(the analytic plan covers it)"
+                f"run.mode: qlora with parallel.strategy = {dims.strategy} (sharded 4-bit weights) is not run by "
+                "this engine; use ddp"
             )
-        raise TrainplanError(
-            "run.mode: qlora is planned (`trainplan plan`) but this engine does not run it yet; use mode = lora"
-        )
     dt = dtypes(prec)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(
             hf_config(spec, cfg), dtype=dt.param if cfg.mode == "full" else dt.frozen
         )
+    if cfg.mode == "qlora":
+        qlora.swap_linears(model, spec, compute_dtype=dt.compute, frozen_dtype=dt.frozen)
     model = apply_mode(model, cfg)
+    tp = dims.tp if dims is not None else 1
+    if fused_loss_applies(spec, enabled=cfg.train.fused_loss, mode=cfg.mode, tp=tp):
+        loss.install(model, cfg.train.loss_chunk_tokens)
     if cfg.memory.activation_checkpointing and cfg.mode != "inference":
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -128,15 +140,21 @@ def build_model(
 
 def allocate(model: nn.Module, device: torch.device | str) -> nn.Module:
     """to_empty, then re-tie: to_empty gives each module its own copy of a shared parameter."""
-    model.to_empty(device=device)
+    if qlora.is_4bit(model):
+        qlora.allocate(model, device)
+    else:
+        model.to_empty(device=device)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if getattr(base.config, "tie_word_embeddings", False):
         base.tie_weights()
     return model
 
 
-def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
-    """Allocate the meta model on `device` and initialize it (weights, rotary buffers)."""
+def materialize(model: nn.Module, device: torch.device | str, *, quantize: bool = True) -> nn.Module:
+    """Allocate the meta model on `device` and initialize it (weights, rotary buffers).
+
+    qlora: the 4-bit linears are quantized last; quantize=False leaves them unquantized on the
+    host, for a loader to copy weights into before it calls `qlora.quantize`."""
     allocate(model, device)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     with torch.no_grad():
@@ -144,4 +162,6 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
         for name, p in model.named_parameters():
             if "lora_" in name:  # PEFT's own init: A random, B zero
                 nn.init.zeros_(p) if "lora_B" in name else nn.init.kaiming_uniform_(p, a=5**0.5)
+    if quantize and qlora.is_4bit(model):
+        qlora.quantize(model, device)
     return model

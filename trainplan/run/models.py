@@ -12,7 +12,7 @@ from torch import nn
 
 from trainplan.config import RunConfig
 from trainplan.errors import ConfigError, TrainplanError
-from trainplan.run import build
+from trainplan.run import build, qlora
 from trainplan.spec.model import ModelSpec, default_gguf_path
 from trainplan.spec.precision import Precision
 
@@ -97,13 +97,22 @@ def load_tokenizer(cfg: RunConfig, spec: ModelSpec):
 
 
 def load_model(
-    cfg: RunConfig, spec: ModelSpec, prec: Precision, device: torch.device, *, dims=None, mesh=None
+    cfg: RunConfig,
+    spec: ModelSpec,
+    prec: Precision,
+    device: torch.device,
+    *,
+    dims=None,
+    mesh=None,
+    allow_cpu: bool = False,
 ) -> nn.Module:
-    """Build through run/build.py, then load pretrained weights or initialize randomly."""
+    """Build through run/build.py, then load pretrained weights or initialize randomly.
+
+    allow_cpu: qlora on bitsandbytes' CPU backend (tests only)."""
     from safetensors.torch import load_file
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    model = build.build_model(spec, cfg, prec, dims=dims, mesh=mesh)
+    model = build.build_model(spec, cfg, prec, dims=dims, mesh=mesh, allow_cpu=allow_cpu)
     if not is_pretrained(cfg):
         return build.materialize(model, device)
     directory = weights_dir(cfg)
@@ -114,11 +123,13 @@ def load_model(
             f"{str(directory)!r} has no .safetensors weights",
             "save the model with safe_serialization=True",
         )
-    build.materialize(model, device)  # rotary buffers and adapters; the weights are overwritten below
+    # rotary buffers and adapters; the weights are overwritten below, and quantized after that (qlora)
+    build.materialize(model, device, quantize=False)
+    four_bit = qlora.is_4bit(model)
     state = {}
     for f in files:
-        try:
-            state.update(load_file(str(f), device=str(device)))
+        try:  # qlora: the 16-bit weights stay on the host; only their 4-bit packing reaches the device
+            state.update(load_file(str(f), device="cpu" if four_bit else str(device)))
         except Exception as e:  # safetensors raises on truncated or corrupt files
             raise ConfigError(
                 "model.source",
@@ -153,4 +164,4 @@ def load_model(
             if isinstance(tensor, DTensor):  # FSDP2 shard: keep this rank's slice of the full tensor
                 src = distribute_tensor(src.to(tensor.dtype), tensor.device_mesh, tensor.placements)
             tensor.copy_(src)
-    return model
+    return qlora.quantize(model, device) if four_bit else model

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trainplan.run.loss import causal_lm_loss
 from trainplan.spec.precision import Precision
 
 IGNORE_INDEX = -100
@@ -74,7 +75,7 @@ def train_step(
     for mb in micro_batches:
         on_phase("forward")
         with autocast(prec, device_type):
-            loss = model(input_ids=mb["input_ids"], labels=mb["labels"], num_items_in_batch=tokens).loss
+            loss = causal_lm_loss(model, mb, tokens)
         if "nan-loss" in inject:
             loss = loss * float("nan")
         elif "spike" in inject:
