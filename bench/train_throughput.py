@@ -33,18 +33,16 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    cfg = C.load(
-        None,
-        [
-            "mode=lora",
-            "precision=fp32",
-            "batch.seq_len=256",
-            "batch.micro_batch_size=4",
-            "hardware.gpus=cpu",
-            "optim.lr=1e-3",
-            "lora.dropout=0.05",
-        ],
-    )
+    sets = [
+        "mode=lora",
+        "precision=fp32",
+        "batch.seq_len=256",
+        "batch.micro_batch_size=4",
+        "hardware.gpus=cpu",
+        "optim.lr=1e-3",
+        "lora.dropout=0.05",
+    ]
+    cfg = C.load(None, sets)
     r = analytic.resolve(cfg)
     tokenizer = models.load_tokenizer(cfg, r.spec)
     train_docs, _ = data.split_documents(data.load_documents("default"), 0.1)
@@ -107,29 +105,34 @@ def main() -> None:
         return times
 
     if args.paired:
-        # Step-paired: both models live in this process and each HF Trainer step is adjacent to one
-        # step of trainplan's loop (before it on even steps, after it on odd ones), so drift of a
-        # noisy machine hits both alike. The ratio is the median of the per-pair ratios.
-        torch.manual_seed(0)
-        model = models.load_model(cfg, r.spec, r.precision, torch.device("cpu"))
-        opt = step.build_optimizer(model, "adamw", "auto", 1e-3, 0.0, "cpu")
-        ours_times: list[float] = []
+        # Step-paired: every model lives in this process and each HF Trainer step is adjacent to
+        # one step of each trainplan variant (before it on even steps, after it on odd ones), so
+        # drift of a noisy machine hits all alike. Ratios are medians of the per-step ratios.
+        # Variants: the default (fused chunked loss) and train.fused_loss=false (transformers' loss).
+        variants = {"fused loss (default)": cfg, "transformers' loss": C.load(None, [*sets, "train.fused_loss=false"])}
+        runs = {}
+        for name, vcfg in variants.items():
+            torch.manual_seed(0)
+            model = models.load_model(vcfg, r.spec, r.precision, torch.device("cpu"))
+            runs[name] = (model, step.build_optimizer(model, "adamw", "auto", 1e-3, 0.0, "cpu"), [])
 
-        def one_of_ours(i: int) -> None:
+        def ours_steps(i: int) -> None:
             j = i % (ids.shape[0] // micro)
             batch = [{"input_ids": ids[j * micro : (j + 1) * micro], "labels": labels[j * micro : (j + 1) * micro]}]
-            t0 = time.perf_counter()
-            step.train_step(model, opt, batch, prec=r.precision, device_type="cpu")
-            ours_times.append(time.perf_counter() - t0)
+            order = list(runs.values()) if i % 2 == 0 else list(runs.values())[::-1]
+            for model, opt, times in order:
+                t0 = time.perf_counter()
+                step.train_step(model, opt, batch, prec=r.precision, device_type="cpu")
+                times.append(time.perf_counter() - t0)
 
-        hf_times = hf(interleave=one_of_ours)
-        pairs = list(zip(ours_times[1:], hf_times[1:], strict=False))  # drop the warm-up pair
-        ratio = statistics.median(h / o for o, h in pairs)
-        a = statistics.median(tokens_per_step / o for o, _ in pairs)
-        b = statistics.median(tokens_per_step / h for _, h in pairs)
-        print(f"trainplan loop:        {a:8.1f} tokens/s (median of {len(pairs)} paired steps)")
-        print(f"HF Trainer + PEFT:     {b:8.1f} tokens/s")
-        print(f"ratio trainplan / HF:  {ratio:.3f} (median of per-pair ratios)")
+        hf_times = hf(interleave=ours_steps)
+        b = statistics.median(tokens_per_step / h for h in hf_times[1:])
+        print(f"HF Trainer + PEFT:             {b:8.1f} tokens/s (median of {len(hf_times) - 1} steps)")
+        for name, (_, _, times) in runs.items():
+            pairs = list(zip(times[1:], hf_times[1:], strict=False))  # drop the warm-up pair
+            a = statistics.median(tokens_per_step / o for o, _ in pairs)
+            ratio = statistics.median(h / o for o, h in pairs)
+            print(f"trainplan, {name:20s} {a:8.1f} tokens/s; ratio to HF {ratio:.3f} (median of per-step ratios)")
         return
 
     ours_tps, hf_tps = [], []

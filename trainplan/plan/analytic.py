@@ -553,6 +553,12 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         "comm_buffers": comm_end,
     }
     candidates = [phases["backward"], backward_end]
+    if dims.strategy == "zero3":
+        # The root unit is resharded after forward and gathered again as backward starts: its
+        # all-gather output buffer and the unsharded parameters exist together for a moment.
+        regather = dict(phases["backward"])
+        regather["weight_copies"] = 2 * root * cb
+        candidates.append(regather)
     if fused and layer_list and not cfg.memory.activation_checkpointing:
         # Without the logits buffers, the top layer's MLP backward can be the peak: every layer's
         # saved tensors, the MLP's intermediate gradients, and the gradients formed so far (head,
