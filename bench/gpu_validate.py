@@ -71,6 +71,9 @@ MATRIX = [
     ("Llama-3.1-8B", "lora", "amp-bf16", 1, 4096, False),
     ("Llama-3.1-8B", "lora", "amp-bf16", 4, 2048, True),
     ("Llama-3.1-8B", "full", "bf16", 1, 2048, True),
+    # QLoRA (bitsandbytes NF4 base): CUDA only, so these rows are its only run on real kernels
+    ("Llama-3.2-1B", "qlora", "amp-bf16", 4, 512, False),
+    ("Llama-3.1-8B", "qlora", "amp-bf16", 1, 4096, False),
 ]
 SMOKE_MODEL = TINY_LLAMA  # the tiny Llama of `trainplan devices`' determinism check
 SMOKE_MATRIX = [
@@ -180,7 +183,7 @@ def measure_row(cfg, r, device, steps: int) -> dict:
         meter = None
         if i == 1:
             meter = measure.StepMeter(
-                model, optimizer, [t for mb in micro for t in mb.values()], device, lora=cfg.mode == "lora"
+                model, optimizer, [t for mb in micro for t in mb.values()], device, lora=cfg.mode in ("lora", "qlora")
             )
         on_phase = meter.on_phase if meter else (lambda phase: None)
         _sync(device)
