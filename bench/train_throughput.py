@@ -10,6 +10,7 @@ the median over steps after the first (warm-up); rounds alternate which loop run
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import time
 import warnings
@@ -24,6 +25,7 @@ def main() -> None:
     ap.add_argument("--paired", action="store_true", help="interleave the two loops step by step in one run")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU backend's import-time warning
     import peft
     import transformers
 
