@@ -285,7 +285,7 @@ def logits_loss_bytes(spec: ModelSpec, ctx: ActContext, head_grad_bytes: int) ->
 
 
 def fused_loss_bytes(
-    spec: ModelSpec, ctx: ActContext, *, chunk_tokens: int, head_trainable: bool, head_bytes: int, grad_bytes: int
+    spec: ModelSpec, ctx: ActContext, *, chunk_tokens: int, head_trainable: bool, head_bytes: int
 ) -> dict[str, int]:
     """Buffers of run/loss.py's chunked fused linear cross-entropy, at its forward and backward peaks.
 
@@ -293,8 +293,8 @@ def fused_loss_bytes(
     dtype; dL/dW in the compute dtype (trainable head); the compute-dtype copy of a wider head
     weight (`head_bytes` its stored width); and one chunk's logits in fp32 beside their
     compute-dtype form, with the chunk's hidden rows cast to the compute dtype. Backward starts
-    with dL/dhidden and dL/dW; a head stored wider than the compute dtype takes a copy of dL/dW in
-    its own dtype as its gradient ("backward_grads", counted in the gradients row).
+    with dL/dhidden and dL/dW; the head's gradient has the head's dtype (a head stored wider than
+    the compute dtype takes a copy of dL/dW): "backward_grads", counted in the gradients row.
     """
     tokens, vocab, hidden = ctx.tokens, spec.vocab_size, spec.hidden_size
     cb, hb = ctx.compute_bytes, ctx.residual_bytes
@@ -312,7 +312,7 @@ def fused_loss_bytes(
     return {
         "forward": forward,
         "backward": grad_h + (grad_w if widened else 0),
-        "backward_grads": vocab * hidden * grad_bytes,
+        "backward_grads": vocab * hidden * head_bytes,
     }
 
 

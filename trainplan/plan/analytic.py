@@ -468,7 +468,6 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
             chunk_tokens=cfg.train.loss_chunk_tokens,
             head_trainable=full,
             head_bytes=cb if fsdp else (prec.param_bytes if full else prec.frozen_bytes),
-            grad_bytes=prec.grad_bytes,
         )
     elif last:
         logits = A.logits_loss_bytes(spec, ctx, head_grad)
@@ -552,6 +551,10 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         "buffers": buffers,
         "comm_buffers": comm_end,
     }
+    if fsdp and full and last and head is not None:
+        # FSDP2 reduce-scatters the root unit's gradients in its final callback, after the whole
+        # backward: the head's unsharded gradient (compute dtype) is still there at the end.
+        backward_end["comm_buffers"] += head.numel * cb
     candidates = [phases["backward"], backward_end]
     if dims.strategy == "zero3":
         # The root unit is resharded after forward and gathered again as backward starts: its
