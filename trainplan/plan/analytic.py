@@ -406,7 +406,7 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         lora_targets=targets,
         lora_r=cfg.lora.r,
         lora_dropout=cfg.lora.dropout,
-        adapter_bytes=4,
+        adapter_bytes=cb if fsdp else 4,  # FSDP2 gathers the adapters in its param dtype too
         attention=r.attention,
         cpu=cpu,
         dropout_active=r.training,
