@@ -9,7 +9,7 @@ import pytest
 from trainplan import config as C
 from trainplan.errors import TrainplanError
 from trainplan.plan.analytic import NF4_BYTES, NF4_CONSTANTS_BYTES, plan
-from trainplan.run import build, contract, models
+from trainplan.run import build, contract, models, qlora
 from trainplan.spec.model import load_model_spec
 from trainplan.spec.parallel import build_parallel_dims
 from trainplan.spec.precision import PRECISIONS
@@ -214,3 +214,12 @@ def test_train_cli_refuses_qlora_on_the_cpu_in_one_line(tiny_source, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
     assert "run.mode: qlora needs CUDA GPUs" in lines[0] and not out.exists()
+
+
+def test_a_qlora_run_records_the_bitsandbytes_version():
+    import bitsandbytes
+
+    from trainplan.run import loop
+
+    assert loop.versions("qlora")["bitsandbytes"] == bitsandbytes.__version__ == qlora.TESTED_BITSANDBYTES
+    assert "bitsandbytes" not in loop.versions("lora")

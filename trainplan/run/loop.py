@@ -54,16 +54,21 @@ def _peak_memory(env: dist.DistEnv) -> dict:
     return {"max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def versions() -> dict:
+def versions(mode: str = "full") -> dict:
     import peft
     import transformers
 
-    return {
+    out = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "peft": peft.__version__,
     }
+    if mode == "qlora":  # its base weights are bitsandbytes' NF4 kernels' business
+        import bitsandbytes
+
+        out["bitsandbytes"] = bitsandbytes.__version__
+    return out
 
 
 def prepare(cfg: C.RunConfig, env: dist.DistEnv):
@@ -135,7 +140,7 @@ def run(cfg: C.RunConfig, *, quiet: bool = False, register: bool = True) -> dict
     record = {
         "schema": "trainplan.run/1",
         "config": cfg.to_dict(),
-        "versions": versions(),
+        "versions": versions(cfg.mode),
         "hardware": {"device": str(env.device), "world_size": env.world, "devices": _device_label(env)},
         "seed": cfg.train.seed,
         "data": {
