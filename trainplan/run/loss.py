@@ -2,8 +2,8 @@
 
 transformers' loss materialises the logits, their fp32 upcast, log-softmax's output and, in
 backward, three more fp32 (tokens x vocab) buffers. With a 49k-152k vocabulary these are the
-largest tensors of a step, and on the CPU every fresh one costs page faults: on SmolLM2-135M
-(micro-batch 4 x seq 256) the loss took 0.37 s of a 3.9 s step and allocated 1 GB.
+largest tensors of a step: on SmolLM2-135M (micro-batch 4 x seq 256) about 1 GB. (The step is
+not measurably faster for it on the CPU; the gain is memory. docs/benchmarks.md.)
 
 Here the output head computes the logits `chunk_tokens` rows at a time, forms the loss and the
 logits gradient (softmax - one-hot) in place, and multiplies it back through the head weight at
@@ -23,7 +23,7 @@ import contextlib
 import torch
 from torch import nn
 
-IGNORE_INDEX = -100
+from trainplan.run.data import IGNORE_INDEX
 
 
 def _chunk(h, y, w, grad_h, grad_w, compute_dtype) -> torch.Tensor:

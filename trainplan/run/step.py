@@ -13,10 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trainplan.run.data import IGNORE_INDEX
 from trainplan.run.loss import causal_lm_loss
 from trainplan.spec.precision import Precision
-
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
