@@ -44,7 +44,7 @@ def cases() -> dict[str, dict]:
             settings["precision"] = "fp32"
         out[f"example:{path.stem}"] = {"config": str(path), "settings": settings}
     matrix, targets = _bench_matrix()
-    for family, preset, mode, micro, seq, ac, gpus, strategy in matrix:
+    for _family, preset, mode, micro, seq, ac, gpus, strategy in matrix:
         settings = {
             "model.source": preset,
             "mode": mode,
