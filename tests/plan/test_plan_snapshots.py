@@ -80,6 +80,7 @@ def cases() -> dict[str, dict]:
         },
         "gpt2-pp-unfused": {
             "model.source": "GPT-2",
+            "batch.seq_len": 1024,
             "parallel.pp": 2,
             "train.fused_loss": False,
             "hardware.gpus": "2xT4",
