@@ -22,7 +22,7 @@ def main() -> None:
     import transformers
 
     from trainplan import config as C
-    from trainplan.plan import analytic
+    from trainplan import resolve
     from trainplan.run import checkpoint, data, models, step
 
     transformers.logging.set_verbosity_error()
@@ -32,7 +32,7 @@ def main() -> None:
             None,
             [f"mode={mode}", "precision=fp32", "batch.seq_len=256", "batch.micro_batch_size=4", "hardware.gpus=cpu"],
         )
-        r = analytic.resolve(cfg)
+        r = resolve.resolve(cfg)
         tok = models.load_tokenizer(cfg, r.spec)
         ids, labels = data.pack(
             data.split_documents(data.load_documents("default"), 0.1)[0], tok, 256, r.spec.vocab_size

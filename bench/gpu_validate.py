@@ -369,10 +369,11 @@ def throughput(step_seconds: list[float], tokens: int, flops_per_token: float, p
 
 def validate_row(row, settings, trace_future, device, args, peak_tflops, nvml_baseline) -> dict:
     from trainplan import config as C
+    from trainplan import resolve
     from trainplan.plan import analytic
 
     cfg = C.load(None, settings)
-    r = analytic.resolve(cfg)
+    r = resolve.resolve(cfg)
     ledger = analytic.plan(cfg)
     preset, mode, precision, micro, seq, ac = row
     out = {

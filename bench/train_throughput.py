@@ -30,7 +30,7 @@ def main() -> None:
     import transformers
 
     from trainplan import config as C
-    from trainplan.plan import analytic
+    from trainplan import resolve
     from trainplan.run import data, models, step
 
     transformers.logging.set_verbosity_error()
@@ -45,7 +45,7 @@ def main() -> None:
         "lora.dropout=0.05",
     ]
     cfg = C.load(None, sets)
-    r = analytic.resolve(cfg)
+    r = resolve.resolve(cfg)
     tokenizer = models.load_tokenizer(cfg, r.spec)
     train_docs, _ = data.split_documents(data.load_documents("default"), 0.1)
     ids, labels = data.pack(train_docs, tokenizer, 256, r.spec.vocab_size)

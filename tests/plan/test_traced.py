@@ -6,6 +6,7 @@ import json
 import pytest
 
 from trainplan import config as C
+from trainplan import resolve
 from trainplan.errors import TrainplanError
 from trainplan.plan import analytic, traced
 
@@ -80,7 +81,7 @@ def _profiled_peaks(cfg) -> dict[str, int]:
 
     from trainplan.run import build, step
 
-    r = analytic.resolve(cfg)
+    r = resolve.resolve(cfg)
     torch.manual_seed(0)
     model = build.materialize(build.build_model(r.spec, cfg, r.precision), "cpu")
     opt = step.build_optimizer(model, "adamw", "auto", 1e-3, 0.0, "cpu")

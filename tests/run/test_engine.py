@@ -5,8 +5,8 @@ import json
 import pytest
 
 from trainplan import config as C
+from trainplan import resolve
 from trainplan.errors import ConfigError
-from trainplan.plan import analytic
 from trainplan.run import build, data, loop, step
 
 torch = pytest.importorskip("torch")
@@ -59,7 +59,7 @@ def test_evaluation_does_not_disturb_training(tiny_run, tmp_path):
 def test_gradient_accumulation_equals_one_bigger_batch(tiny_run):
     root, base = tiny_run
     cfg = C.load(None, [*base])
-    r = analytic.resolve(cfg)
+    r = resolve.resolve(cfg)
     ids = torch.randint(0, 49152, (4, 32))
     labels = ids.clone()
     labels[:2, :10] = data.IGNORE_INDEX  # uneven token counts: per-micro-batch means would differ
@@ -92,7 +92,7 @@ def test_prompt_completion_and_chat_mask_the_loss(tiny_run, tmp_path):
 
     root, base = tiny_run
     cfg = C.load(None, base)
-    tok = models.load_tokenizer(cfg, analytic.resolve(cfg).spec)
+    tok = models.load_tokenizer(cfg, resolve.resolve(cfg).spec)
     ids, labels = data.tokenize(data.Document(name="x", prompt="Q: 2+2?", completion=" A: 4"), tok)
     n_prompt = len(tok("Q: 2+2?", add_special_tokens=False)["input_ids"])
     assert labels[:n_prompt] == [data.IGNORE_INDEX] * n_prompt and labels[n_prompt:] == ids[n_prompt:]

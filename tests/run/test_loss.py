@@ -6,6 +6,7 @@ import json
 import pytest
 
 from trainplan import config as C
+from trainplan import resolve
 from trainplan.plan import analytic, traced
 from trainplan.run import build, loss, step
 
@@ -21,7 +22,7 @@ def _cfg(tmp_path, model_config: dict, *sets: str):
 
 def _pair(cfg):
     """The same randomly initialised model twice: with the fused head, and with transformers' loss."""
-    r = analytic.resolve(cfg)
+    r = resolve.resolve(cfg)
     models = []
     for fused in (True, False):
         c = cfg if fused else _with(cfg, fused_loss=False)
@@ -146,7 +147,7 @@ def test_applies_only_where_the_head_is_the_whole_output(tmp_path, tiny_llama):
         "gemma2 soft-capping": (_cfg(tmp_path, gemma, "precision=fp32", "memory.attention=eager"), False),
     }
     for name, (cfg, expected) in cases.items():
-        r = analytic.resolve(cfg)
+        r = resolve.resolve(cfg)
         model = build.build_model(r.spec, cfg, r.precision)
         assert (loss.fused_head(model) is not None) is expected, name
         assert r.fused_loss is expected, name

@@ -23,8 +23,8 @@ from trainplan.advise.search import (
     why,
 )
 from trainplan.errors import ConfigError, nearest
-from trainplan.plan.analytic import resolve
 from trainplan.plan.ledger import Ledger
+from trainplan.resolve import NotRunnable, require_runnable, resolve
 from trainplan.spec.devices import GiB
 from trainplan.spec.model import load_model_spec
 
@@ -135,18 +135,20 @@ def shown(s: Search, o: Outcome, prefer: str) -> tuple[int, Ledger, StepEstimate
     return 1, base_ledger(s, o), estimate(resolve(cfg, s.request.spec), s.request.calibration)
 
 
-def train_blocker(o: Outcome) -> str:
-    """Why `trainplan train` would refuse this entry ('' if it runs it): the engine runs DDP, ZeRO-1
-    and FSDP2 with torch optimizers (trainplan/run/loop.py `prepare`, run/step.py, run/build.py)."""
-    r = o.rung
-    if r.tp > 1 or r.pp > 1:
-        return "tensor/pipeline parallelism"
-    if r.dp > 1 and r.strategy == "zero2":
-        return "ZeRO-2"
-    if r.optimizer == "adamw-8bit" and r.mode != "inference":
-        return "8-bit AdamW (bitsandbytes)"
-    if r.mode == "qlora":
-        return "QLoRA (bitsandbytes)"
+def train_blocker(s: Search, o: Outcome) -> str:
+    """What `trainplan train` would refuse in this entry, in a few words ('' if it runs it): the one
+    rule `train` applies itself (trainplan/resolve.py `require_runnable`)."""
+    cfg = o.rung.config(s.request.base, 1, s.request.global_batch)
+    shards = o.rung.dp > 1 and o.rung.strategy in ("zero3", "fsdp-grad-op")
+    try:
+        require_runnable(
+            cfg,
+            max_positions=s.request.spec.max_position_embeddings,
+            sharded=shards,
+            cuda=all(d.is_gpu for d in s.devices),
+        )
+    except NotRunnable as e:
+        return e.what
     return ""
 
 
@@ -226,7 +228,7 @@ def entry_json(s: Search, o: Outcome, rank: int, prefer: str) -> dict:
             "mfu_source": est.mfu_source,
         },
         "why": why(o, s, show_micro=prefer != "memory"),
-        "train_refuses": train_blocker(o) or None,
+        "train_refuses": train_blocker(s, o) or None,
     }
 
 
@@ -321,13 +323,14 @@ def run(args: argparse.Namespace) -> int:
         if args.out:
             notes.append(f"nothing fits: {args.out} not written")
     elif args.out:
-        chosen = next((i for i, o in enumerate(order) if not train_blocker(o)), 0)
+        chosen = next((i for i, o in enumerate(order) if not train_blocker(s, o)), 0)
         write_atomic(args.out, out_toml(s, order[chosen], chosen + 1, args.prefer, args.out))
         doc["out"] = {"path": str(Path(args.out)), "rank": chosen + 1}
+        blocker = train_blocker(s, order[0])
         if chosen:
-            notes.append(f"wrote rank {chosen + 1}: `trainplan train` does not run {train_blocker(order[0])} yet")
-        elif train_blocker(order[0]):
-            notes.append(f"every entry needs something `trainplan train` does not run yet: {train_blocker(order[0])}")
+            notes.append(f"wrote rank {chosen + 1}: `trainplan train` does not run {blocker} yet")
+        elif blocker:
+            notes.append(f"every entry needs something `trainplan train` does not run yet: {blocker}")
     doc["notes"] = notes
     if args.format == "json":
         print(json.dumps(doc, indent=1))

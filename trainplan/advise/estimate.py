@@ -18,7 +18,7 @@ from pathlib import Path
 
 from trainplan import config as C
 from trainplan.errors import TrainplanError
-from trainplan.plan.analytic import Resolved, resolve
+from trainplan.resolve import Resolved, resolve
 from trainplan.spec import devices as D
 from trainplan.spec.devices import CATALOG, DeviceSpec, parse_devices
 from trainplan.spec.model import ModelSpec, load_model_spec

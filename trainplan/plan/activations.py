@@ -248,16 +248,6 @@ def head_saved(spec: ModelSpec, ctx: ActContext, lm_head_trainable: bool) -> lis
     return out
 
 
-# Architectures whose forward applies the output head and nothing else to the final hidden state
-# (no soft-capping or logit scaling), so the fused loss computes exactly their loss.
-FUSED_LOSS_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "phi3", "gpt2"})
-
-
-def fused_loss_applies(spec: ModelSpec, *, enabled: bool, mode: str, tp: int) -> bool:
-    """Whether a step computes its loss through run/loss.py's chunked fused head."""
-    return enabled and mode != "inference" and tp == 1 and spec.model_type in FUSED_LOSS_MODEL_TYPES
-
-
 def logits_loss_bytes(spec: ModelSpec, ctx: ActContext, head_grad_bytes: int) -> dict[str, int]:
     """Logits and cross-entropy buffers at their forward and backward peaks.
 

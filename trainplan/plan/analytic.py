@@ -13,16 +13,15 @@ partition, and whenever gradient accumulation spans more than one micro-batch.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from trainplan import config as C
-from trainplan.errors import ConfigError
 from trainplan.plan import activations as A
 from trainplan.plan.ledger import DeviceLedger, Ledger, gib
-from trainplan.spec.devices import DeviceSpec, MiB, host_memory_bytes, parse_devices, parse_size
-from trainplan.spec.model import ModelSpec, ParamTensor, load_model_spec
-from trainplan.spec.parallel import ParallelDims, ResolvedBatch, build_parallel_dims, resolve_batch
-from trainplan.spec.precision import PRECISIONS, Precision
+from trainplan.resolve import Resolved, resolve
+from trainplan.spec.devices import DeviceSpec, MiB, host_memory_bytes, parse_size
+from trainplan.spec.model import ModelSpec, ParamTensor
+from trainplan.spec.parallel import ParallelDims
+from trainplan.spec.precision import Precision
 
 ROWWISE = frozenset({"o_proj", "down_proj", "c_proj"})  # TP shards their input dim
 NF4_BYTES = 0.5
@@ -32,75 +31,6 @@ NF4_CONSTANTS_BYTES = 1 / 64 + 4 / (64 * 256)
 ZERO2_BUCKET_BYTES = 25 * MiB  # torch DDP's default bucket_cap_mb
 BNB_8BIT_MIN_NUMEL = 4096  # bitsandbytes keeps 32-bit states for smaller tensors (min_8bit_size)
 BNB_BLOCK = 256  # blockwise quantization of optimizer states, one fp32 absmax per block
-
-
-@dataclass(frozen=True, kw_only=True)
-class Resolved:
-    """Everything the plan needs, validated: the same object later drives `train`."""
-
-    cfg: C.RunConfig
-    spec: ModelSpec
-    precision: Precision
-    devices: list[DeviceSpec]
-    dims: ParallelDims
-    batch: ResolvedBatch
-
-    @property
-    def attention(self) -> str:
-        return self.spec.attention(self.cfg.memory.attention)
-
-    @property
-    def training(self) -> bool:
-        return self.cfg.mode != "inference"
-
-    @property
-    def fused_loss(self) -> bool:
-        train = self.cfg.train
-        return A.fused_loss_applies(self.spec, enabled=train.fused_loss, mode=self.cfg.mode, tp=self.dims.tp)
-
-
-def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
-    spec = spec or load_model_spec(cfg.model.source)
-    devices = parse_devices(cfg.hardware.gpus, cfg.hardware.gpu_mem)
-    prec = PRECISIONS[cfg.precision]
-    no_bf16 = [d.name for d in devices if not d.bf16]
-    if prec.needs_bf16 and no_bf16:
-        raise ConfigError(
-            "run.precision",
-            f"{cfg.precision} needs bf16, which {no_bf16[0]} lacks",
-            'use precision = "amp-fp16" (fp16 autocast with loss scaling)',
-        )
-    if cfg.mode == "qlora" and any(not d.is_gpu for d in devices):
-        raise ConfigError(
-            "run.mode",
-            "qlora needs CUDA GPUs (bitsandbytes 4-bit kernels)",
-            'plan for GPUs (hardware.gpus) or use mode = "lora" on the CPU',
-        )
-    if cfg.parallel.offload_optimizer and any(not d.is_gpu for d in devices):
-        raise ConfigError(
-            "parallel.offload_optimizer",
-            "offloading to the host needs GPU devices",
-            "set parallel.offload_optimizer = false when planning for the CPU",
-        )
-    if spec.learned_positions and cfg.batch.seq_len > spec.learned_positions:
-        raise ConfigError(
-            "batch.seq_len",
-            f"{cfg.batch.seq_len} exceeds the {spec.learned_positions} learned positions of {spec.name}",
-            f"use batch.seq_len <= {spec.learned_positions}",
-        )
-    if cfg.mode in ("lora", "qlora"):
-        known = {lin.module for lin in spec.layer_linears}
-        for target in cfg.lora.target_modules:
-            if target not in known:
-                raise ConfigError(
-                    "lora.target_modules",
-                    f"{target!r} matches no linear layer of {spec.name}",
-                    "its linear layers are " + ", ".join(sorted(known)),
-                )
-    spec.attention(cfg.memory.attention)  # refuses sdpa where transformers has none
-    dims = build_parallel_dims(cfg.parallel, len(devices), spec)
-    batch = resolve_batch(cfg.batch, dims.dp)
-    return Resolved(cfg=cfg, spec=spec, precision=prec, devices=devices, dims=dims, batch=batch)
 
 
 # ---- per-rank tensors ----------------------------------------------------------------------

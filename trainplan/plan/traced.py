@@ -18,6 +18,7 @@ import resource
 import time
 from dataclasses import dataclass, field
 
+from trainplan import resolve
 from trainplan.config import RunConfig
 from trainplan.errors import TrainplanError
 from trainplan.plan import analytic
@@ -54,7 +55,7 @@ class TraceResult:
         return sum(self.phases[self.peak_phase].values())
 
 
-def _check_traceable(r: analytic.Resolved) -> None:
+def _check_traceable(r: resolve.Resolved) -> None:
     cfg = r.cfg
     if cfg.mode == "qlora":
         raise TrainplanError(
@@ -92,15 +93,13 @@ def to_components(raw: dict[str, int], *, adapter_params: int, states: int, lora
     return out
 
 
-def trace(
-    cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False
-) -> tuple[TraceResult, analytic.Resolved]:
+def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) -> tuple[TraceResult, resolve.Resolved]:
     """Trace one warm-up and one measured step on fake tensors; per-phase peaks of the measured one.
 
     real=True runs the very same step on real, randomly initialized CPU tensors instead: the
     validation that fake tracing allocates what a real run allocates (small models only).
     """
-    r = analytic.resolve(cfg, spec)
+    r = resolve.resolve(cfg, spec)
     _check_traceable(r)
     if real and r.dims.shards_params:
         raise TrainplanError("trace: real-tensor validation runs one process; FSDP needs torchrun")
@@ -256,7 +255,7 @@ def _derive_data_parallel(comps: dict[str, dict[str, int]], rows: dict[str, str]
         rows["gradients"] = f"derived: zero2 shards gradients over dp {dp}"
 
 
-def traced_ledger(result: TraceResult, r: analytic.Resolved, analytic_ledger: Ledger) -> Ledger:
+def traced_ledger(result: TraceResult, r: resolve.Resolved, analytic_ledger: Ledger) -> Ledger:
     """The traced bill as a Ledger (runtime and allocator reserve from the analytic settings)."""
     devices = [
         dataclasses.replace(proto, phases=result.phases, explain={}, details={}) for proto in analytic_ledger.devices

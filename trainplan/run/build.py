@@ -12,9 +12,8 @@ from torch import nn
 
 from trainplan.config import RunConfig
 from trainplan.errors import TrainplanError
-from trainplan.plan.activations import fused_loss_applies
 from trainplan.run import loss, qlora
-from trainplan.spec.model import ModelSpec
+from trainplan.spec.model import ModelSpec, fused_loss_applies
 from trainplan.spec.parallel import ParallelDims
 from trainplan.spec.precision import Precision
 

@@ -20,7 +20,7 @@ import torch
 
 from trainplan import config as C
 from trainplan.errors import ConfigError
-from trainplan.plan import analytic
+from trainplan.resolve import require_runnable, resolve
 from trainplan.run import checkpoint, contract, data, dist, evaluate, guard, measure, models, step
 
 
@@ -74,37 +74,21 @@ def versions(mode: str = "full") -> dict:
 def prepare(cfg: C.RunConfig, env: dist.DistEnv):
     """Resolve the config for the devices actually present, then build data and model."""
     cfg = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, gpus=_device_label(env)))
-    r = analytic.resolve(cfg)
+    r = resolve(cfg)
     directory = models.weights_dir(cfg) if models.is_pretrained(cfg) else None
     if directory is not None:  # build from the checkpoint's own transformers config, every field of it
         full_config = json.loads((directory / "config.json").read_text())
         r = dataclasses.replace(r, spec=dataclasses.replace(r.spec, config=full_config))
-    if r.dims.tp > 1 or r.dims.pp > 1:
-        raise ConfigError(
-            "parallel.tp",
-            "the training engine runs data parallelism (DDP, ZeRO-1, FSDP2) only",
-            "set parallel.tp = 1 and parallel.pp = 1 for `trainplan train`",
-        )
-    if r.dims.strategy == "zero2":
-        raise ConfigError(
-            "parallel.strategy",
-            "zero2 (DeepSpeed's replicated parameters, sharded gradients) is planned but not run by this engine",
-            "use parallel.strategy = fsdp-grad-op (FSDP2 without resharding, ZeRO-2-like) or zero3",
-        )
+    sharded = r.dims.shards_params and env.world > 1
+    require_runnable(cfg, max_positions=r.spec.max_position_embeddings, sharded=sharded, cuda=env.device.type == "cuda")
     torch.manual_seed(cfg.train.seed)
     tokenizer = models.load_tokenizer(cfg, r.spec)
     docs = data.load_documents(cfg.data.source)
     train_docs, eval_docs = data.split_documents(docs, cfg.data.eval_fraction)
     seq = r.batch.seq_len
-    if seq > r.spec.max_position_embeddings:
-        raise ConfigError(
-            "batch.seq_len",
-            f"{seq} exceeds the model's context of {r.spec.max_position_embeddings}",
-            f"use batch.seq_len <= {r.spec.max_position_embeddings}",
-        )
     train_ids, train_labels = data.pack(train_docs, tokenizer, seq, r.spec.vocab_size)
     eval_ids, eval_labels = data.pack(eval_docs, tokenizer, seq, r.spec.vocab_size)
-    mesh = dist.mesh(env) if r.dims.shards_params and env.world > 1 else None
+    mesh = dist.mesh(env) if sharded else None
     model = models.load_model(cfg, r.spec, r.precision, env.device, dims=r.dims if mesh else None, mesh=mesh)
     return cfg, r, tokenizer, (train_docs, eval_docs), (train_ids, train_labels), (eval_ids, eval_labels), model
 

@@ -125,7 +125,7 @@ class FusedLossHead(nn.Linear):
 
 def install(model: nn.Module, chunk_tokens: int) -> None:
     """Swap the output head's class; the caller has checked the architecture qualifies
-    (trainplan.plan.activations.fused_loss_applies)."""
+    (trainplan.spec.model.fused_loss_applies)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings()
     if type(head) is not nn.Linear or head.bias is not None:  # internal: the predicate is wrong

@@ -536,3 +536,13 @@ def gguf_config(path: Path) -> dict:
 
 def from_gguf(path: Path, *, name: str) -> ModelSpec:
     return from_hf_config(gguf_config(path), name=name, where=str(path))
+
+
+# Architectures whose forward applies the output head and nothing else to the final hidden state
+# (no soft-capping or logit scaling), so the fused loss computes exactly their loss.
+FUSED_LOSS_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "phi3", "gpt2"})
+
+
+def fused_loss_applies(spec: ModelSpec, *, enabled: bool, mode: str, tp: int) -> bool:
+    """Whether a step computes its loss through run/loss.py's chunked fused head."""
+    return enabled and mode != "inference" and tp == 1 and spec.model_type in FUSED_LOSS_MODEL_TYPES

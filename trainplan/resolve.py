@@ -1,0 +1,149 @@
+"""The one validated job: `Resolved` drives plan, trace, advise, train and accept alike.
+
+`resolve()` refuses what cannot be planned; `require_runnable()` refuses what can be planned but
+not run by the training engine (trainplan/run/), and is the one place that says so: `train`
+calls it before building anything, and `advise` asks it of every candidate it ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainplan import config as C
+from trainplan.errors import ConfigError
+from trainplan.spec.devices import DeviceSpec, parse_devices
+from trainplan.spec.model import ModelSpec, fused_loss_applies, load_model_spec
+from trainplan.spec.parallel import ParallelDims, ResolvedBatch, build_parallel_dims, resolve_batch
+from trainplan.spec.precision import PRECISIONS, Precision
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resolved:
+    """Everything the plan needs, validated: the same object later drives `train`."""
+
+    cfg: C.RunConfig
+    spec: ModelSpec
+    precision: Precision
+    devices: list[DeviceSpec]
+    dims: ParallelDims
+    batch: ResolvedBatch
+
+    @property
+    def attention(self) -> str:
+        return self.spec.attention(self.cfg.memory.attention)
+
+    @property
+    def training(self) -> bool:
+        return self.cfg.mode != "inference"
+
+    @property
+    def fused_loss(self) -> bool:
+        train = self.cfg.train
+        return fused_loss_applies(self.spec, enabled=train.fused_loss, mode=self.cfg.mode, tp=self.dims.tp)
+
+
+def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
+    """Validate cfg against the model and the devices: the job every command plans or runs."""
+    spec = spec or load_model_spec(cfg.model.source)
+    devices = parse_devices(cfg.hardware.gpus, cfg.hardware.gpu_mem)
+    prec = PRECISIONS[cfg.precision]
+    no_bf16 = [d.name for d in devices if not d.bf16]
+    if prec.needs_bf16 and no_bf16:
+        raise ConfigError(
+            "run.precision",
+            f"{cfg.precision} needs bf16, which {no_bf16[0]} lacks",
+            'use precision = "amp-fp16" (fp16 autocast with loss scaling)',
+        )
+    if cfg.mode == "qlora" and any(not d.is_gpu for d in devices):
+        raise ConfigError(
+            "run.mode",
+            "qlora needs CUDA GPUs (bitsandbytes 4-bit kernels)",
+            'plan for GPUs (hardware.gpus) or use mode = "lora" on the CPU',
+        )
+    if cfg.parallel.offload_optimizer and any(not d.is_gpu for d in devices):
+        raise ConfigError(
+            "parallel.offload_optimizer",
+            "offloading to the host needs GPU devices",
+            "set parallel.offload_optimizer = false when planning for the CPU",
+        )
+    if spec.learned_positions and cfg.batch.seq_len > spec.learned_positions:
+        raise ConfigError(
+            "batch.seq_len",
+            f"{cfg.batch.seq_len} exceeds the {spec.learned_positions} learned positions of {spec.name}",
+            f"use batch.seq_len <= {spec.learned_positions}",
+        )
+    if cfg.mode in ("lora", "qlora"):
+        known = {lin.module for lin in spec.layer_linears}
+        for target in cfg.lora.target_modules:
+            if target not in known:
+                raise ConfigError(
+                    "lora.target_modules",
+                    f"{target!r} matches no linear layer of {spec.name}",
+                    "its linear layers are " + ", ".join(sorted(known)),
+                )
+    spec.attention(cfg.memory.attention)  # refuses sdpa where transformers has none
+    dims = build_parallel_dims(cfg.parallel, len(devices), spec)
+    batch = resolve_batch(cfg.batch, dims.dp)
+    return Resolved(cfg=cfg, spec=spec, precision=prec, devices=devices, dims=dims, batch=batch)
+
+
+class NotRunnable(ConfigError):
+    """A configuration the planner covers but the training engine does not run; `what` names the
+    missing capability in a few words (advise shows it beside the entry)."""
+
+    def __init__(self, field: str, problem: str, fix: str, *, what: str):
+        self.what = what
+        super().__init__(field, problem, fix)
+
+
+def require_runnable(
+    cfg: C.RunConfig, *, max_positions: int | None = None, sharded: bool | None = None, cuda: bool
+) -> None:
+    """Refuse what `trainplan train` cannot run. The engine runs data parallelism (DDP, ZeRO-1,
+    FSDP2) with torch's optimizers, and QLoRA on CUDA through bitsandbytes without sharding.
+
+    max_positions: the model's context (a longer sequence is refused); sharded: whether the
+    layout shards parameters (FSDP2); cuda: whether the run has CUDA devices."""
+    par = cfg.parallel
+    if par.tp > 1 or par.pp > 1:
+        raise NotRunnable(
+            "parallel.tp",
+            "the training engine runs data parallelism (DDP, ZeRO-1, FSDP2) only",
+            "set parallel.tp = 1 and parallel.pp = 1 for `trainplan train`",
+            what="tensor/pipeline parallelism",
+        )
+    if par.strategy == "zero2":
+        raise NotRunnable(
+            "parallel.strategy",
+            "zero2 (DeepSpeed's replicated parameters, sharded gradients) is planned but not run by this engine",
+            "use parallel.strategy = fsdp-grad-op (FSDP2 without resharding, ZeRO-2-like) or zero3",
+            what="ZeRO-2",
+        )
+    if cfg.optim.name == "adamw-8bit" and cfg.mode != "inference":
+        raise NotRunnable(
+            "optim.name",
+            "adamw-8bit needs bitsandbytes' 8-bit optimizer, which this engine does not run",
+            "use optim.name = adamw",
+            what="8-bit AdamW (bitsandbytes)",
+        )
+    if cfg.mode == "qlora" and not cuda:
+        raise NotRunnable(
+            "run.mode",
+            "qlora needs bitsandbytes on CUDA; it cannot be built on the CPU (the analytic plan covers it)",
+            'run it on CUDA GPUs, or use mode = "lora" here',
+            what="QLoRA without CUDA",
+        )
+    if cfg.mode == "qlora" and sharded:
+        raise NotRunnable(
+            "run.mode",
+            f"qlora with parallel.strategy = {par.strategy} (sharded 4-bit weights) is not run by this engine",
+            "use parallel.strategy = ddp",
+            what="sharded QLoRA",
+        )
+    if max_positions is not None and cfg.batch.seq_len > max_positions:
+        raise NotRunnable(
+            "batch.seq_len",
+            f"{cfg.batch.seq_len} exceeds the model's context of {max_positions}",
+            f"use batch.seq_len <= {max_positions}",
+            what=f"a sequence beyond the model's {max_positions} positions",
+        )
