@@ -12,7 +12,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
-.PHONY: install demo test lint bench browser
+.PHONY: install demo test test-fast lint bench browser
 install: $(VENV)/.installed
 
 # A test renders accept's HTML report in headless Chromium, from Debian's packages.
@@ -27,6 +27,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed browser
 	$(PY) -m pytest -q
+
+# No test that starts a process (CLI subprocesses, torchrun, browsers) and none marked slow.
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow and not multiprocess"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -23,7 +23,7 @@ def main() -> None:
 
     from trainplan import config as C
     from trainplan import resolve
-    from trainplan.run import checkpoint, data, models, step
+    from trainplan.run import checkpoint, data, step, weights
 
     transformers.logging.set_verbosity_error()
     every = C.CheckpointConfig().every
@@ -33,11 +33,11 @@ def main() -> None:
             [f"mode={mode}", "precision=fp32", "batch.seq_len=256", "batch.micro_batch_size=4", "hardware.gpus=cpu"],
         )
         r = resolve.resolve(cfg)
-        tok = models.load_tokenizer(cfg, r.spec)
+        tok = weights.load_tokenizer(cfg, r.spec)
         ids, labels = data.pack(
             data.split_documents(data.load_documents("default"), 0.1)[0], tok, 256, r.spec.vocab_size
         )
-        model = models.load_model(cfg, r.spec, r.precision, torch.device("cpu"))
+        model = weights.load_model(cfg, r.spec, r.precision, torch.device("cpu"))
         opt = step.build_optimizer(model, "adamw", "auto", 1e-5, 0.0, "cpu")
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
         step_times = []
@@ -45,11 +45,9 @@ def main() -> None:
             t0 = time.perf_counter()
             step.train_step(
                 model,
-                opt,
+                step.Update(opt, scheduler=sched),
                 [{"input_ids": ids[i * 4 : (i + 1) * 4], "labels": labels[i * 4 : (i + 1) * 4]}],
-                prec=r.precision,
-                device_type="cpu",
-                scheduler=sched,
+                step.StepSettings(prec=r.precision, device_type="cpu"),
             )
             step_times.append(time.perf_counter() - t0)
         save_times, size = [], 0

@@ -7,7 +7,7 @@ CPU smoke run (2 tiny configs, seconds; tests/test_devices_command.py runs it):
 The matrix and each row's analytic plan on the GPU, without running anything:
     .venv/bin/python bench/gpu_validate.py --list
 
-First the device preflight (trainplan.devices: inventory, determinism, bf16 matmul vs nominal,
+First the device preflight (trainplan/verify/preflight.py: inventory, determinism, bf16 matmul vs nominal,
 all-reduce with several GPUs). Then, per configuration (preset with random init, built on meta and
 materialized on the GPU by trainplan's builder): 3 steps of trainplan's own train_step (inference:
 eval_forward). Step 1 warms up (creates optimizer state); step 2 runs under trainplan's StepMeter,
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the GPU machine runs the checkout, not an installed package
     sys.path.insert(0, str(ROOT))
 
-from trainplan.devices import TINY_LLAMA  # noqa: E402 - after the checkout is on sys.path
+from trainplan.spec.model import preset_config  # noqa: E402 - after the checkout is on sys.path
 
 SCHEMA = "trainplan.gpu_validate/1"
 START = time.monotonic()
@@ -75,7 +75,7 @@ MATRIX = [
     ("Llama-3.2-1B", "qlora", "amp-bf16", 4, 512, False),
     ("Llama-3.1-8B", "qlora", "amp-bf16", 1, 4096, False),
 ]
-SMOKE_MODEL = TINY_LLAMA  # the tiny Llama of `trainplan devices`' determinism check
+SMOKE_MODEL = preset_config("tiny-llama")  # the tiny Llama of `trainplan devices`' determinism check
 SMOKE_MATRIX = [
     ("tiny-llama", "full", "fp32", 2, 32, False),
     ("tiny-llama", "lora", "fp32", 2, 32, True),
@@ -194,9 +194,9 @@ def measure_row(cfg, r, device, steps: int) -> dict:
             if inference:
                 loss = step.eval_forward(model, micro[0], prec=r.precision, device_type=device.type, on_phase=on_phase)
             else:
-                loss = step.train_step(
-                    model, optimizer, micro, prec=r.precision, device_type=device.type, on_phase=on_phase
-                ).loss
+                settings = step.StepSettings(prec=r.precision, device_type=device.type)
+                hooks = step.StepHooks(on_phase=on_phase)
+                loss = step.train_step(model, step.Update(optimizer), micro, settings, hooks=hooks).loss
         _sync(device)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
@@ -489,7 +489,7 @@ def summarize(doc: dict) -> dict:
 
 
 def gpu_label(torch) -> str:
-    from trainplan.devices import catalog_entry
+    from trainplan.verify.preflight import catalog_entry
 
     name = torch.cuda.get_device_name(0)
     known = catalog_entry(name)
@@ -528,8 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     _quiet()
     import torch
 
-    from trainplan import devices
-    from trainplan.cli import write_atomic
+    from trainplan.files import write_atomic
+    from trainplan.verify import preflight as devices
 
     if args.smoke:
         tmp = Path(tempfile.mkdtemp(prefix="trainplan-smoke-"))

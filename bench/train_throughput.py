@@ -31,7 +31,7 @@ def main() -> None:
 
     from trainplan import config as C
     from trainplan import resolve
-    from trainplan.run import data, models, step
+    from trainplan.run import data, step, weights
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -46,7 +46,7 @@ def main() -> None:
     ]
     cfg = C.load(None, sets)
     r = resolve.resolve(cfg)
-    tokenizer = models.load_tokenizer(cfg, r.spec)
+    tokenizer = weights.load_tokenizer(cfg, r.spec)
     train_docs, _ = data.split_documents(data.load_documents("default"), 0.1)
     ids, labels = data.pack(train_docs, tokenizer, 256, r.spec.vocab_size)
     micro = 4
@@ -54,19 +54,19 @@ def main() -> None:
 
     def ours() -> list[float]:
         torch.manual_seed(0)
-        model = models.load_model(cfg, r.spec, r.precision, torch.device("cpu"))
+        model = weights.load_model(cfg, r.spec, r.precision, torch.device("cpu"))
         opt = step.build_optimizer(model, "adamw", "auto", 1e-3, 0.0, "cpu")
         times = []
         for i in range(args.steps):
             batch = [{"input_ids": ids[i * micro : (i + 1) * micro], "labels": labels[i * micro : (i + 1) * micro]}]
             t0 = time.perf_counter()
-            step.train_step(model, opt, batch, prec=r.precision, device_type="cpu")
+            step.train_step(model, step.Update(opt), batch, step.StepSettings(prec=r.precision, device_type="cpu"))
             times.append(time.perf_counter() - t0)
         return times
 
     def hf(interleave=None) -> list[float]:
         torch.manual_seed(0)
-        directory = models.weights_dir(cfg)
+        directory = weights.weights_dir(cfg)
         model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
         model = peft.get_peft_model(
             model,
@@ -115,7 +115,7 @@ def main() -> None:
         runs = {}
         for name, vcfg in variants.items():
             torch.manual_seed(0)
-            model = models.load_model(vcfg, r.spec, r.precision, torch.device("cpu"))
+            model = weights.load_model(vcfg, r.spec, r.precision, torch.device("cpu"))
             runs[name] = (model, step.build_optimizer(model, "adamw", "auto", 1e-3, 0.0, "cpu"), [])
 
         def ours_steps(i: int) -> None:
@@ -124,7 +124,7 @@ def main() -> None:
             order = list(runs.values()) if i % 2 == 0 else list(runs.values())[::-1]
             for model, opt, times in order:
                 t0 = time.perf_counter()
-                step.train_step(model, opt, batch, prec=r.precision, device_type="cpu")
+                step.train_step(model, step.Update(opt), batch, step.StepSettings(prec=r.precision, device_type="cpu"))
                 times.append(time.perf_counter() - t0)
 
         hf_times = hf(interleave=ours_steps)

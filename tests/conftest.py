@@ -3,20 +3,36 @@ import json
 import pytest
 
 from trainplan import config as C
+from trainplan.spec.model import preset_config
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _registry(tmp_path_factory):
-    """Runs made by the tests go to a registry of their own, never the user's."""
-    import os
+    """In-process runs made by the tests go to a registry of their own, never the user's (runs in
+    subprocesses pass --registry themselves)."""
+    from trainplan.verify import registry
 
-    old = os.environ.get("TRAINPLAN_REGISTRY")
-    os.environ["TRAINPLAN_REGISTRY"] = str(tmp_path_factory.mktemp("registry") / "runs.sqlite")
+    old = registry.DEFAULT
+    registry.DEFAULT = str(tmp_path_factory.mktemp("registry") / "runs.sqlite")
     yield
-    if old is None:
-        os.environ.pop("TRAINPLAN_REGISTRY", None)
-    else:
-        os.environ["TRAINPLAN_REGISTRY"] = old
+    registry.DEFAULT = old
+
+
+@pytest.fixture(autouse=True)
+def _processes_are_marked(request, monkeypatch):
+    """A test that starts a process (a CLI subprocess, torchrun, a spawned rank, a browser) must
+    carry the `multiprocess` marker, so `make test-fast` (-m "not slow and not multiprocess")
+    really starts none."""
+    if request.node.get_closest_marker("multiprocess"):
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        pytest.fail(f"{request.node.nodeid} starts a process: mark it @pytest.mark.multiprocess")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
 @pytest.fixture
@@ -31,21 +47,15 @@ def make_cfg():
 
 @pytest.fixture(scope="session")
 def tiny_llama():
-    """A 2-layer Llama config (hidden 64, GQA 4/2, vocab 256) as transformers' config.json dict:
-    the same tiny model `trainplan devices` steps in its determinism check."""
-    from trainplan.devices import TINY_LLAMA
-
-    return dict(TINY_LLAMA)
+    """The tiny-llama preset (2 layers, hidden 64, GQA 4/2, vocab 256) as transformers' config.json
+    dict: the same tiny model `trainplan devices` steps in its determinism check."""
+    return preset_config("tiny-llama")
 
 
-# A tiny Llama that holds the embedded SmolLM2 tokenizer's 49,152-token vocabulary.
+# The tiny-llama preset, holding the embedded SmolLM2 tokenizer's 49,152-token vocabulary.
 TINY = {
-    "model_type": "llama",
-    "hidden_size": 64,
+    **preset_config("tiny-llama"),
     "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
     "vocab_size": 49152,
     "max_position_embeddings": 256,
     "tie_word_embeddings": True,
@@ -70,7 +80,7 @@ def tiny_run(tmp_path_factory):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY))
     model.save_pretrained(root / "weights")
-    from trainplan.run.models import gguf_cache
+    from trainplan.run.weights import gguf_cache
     from trainplan.spec.model import default_gguf_path
 
     tokenizer_dir = gguf_cache(default_gguf_path(), "~/.cache/trainplan")

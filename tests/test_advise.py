@@ -12,10 +12,12 @@ import pytest
 
 from trainplan import cli
 from trainplan import config as C
-from trainplan.advise import command, estimate
+from trainplan.advise import estimate, rank
 from trainplan.advise.search import _step_backs, peak_fraction, search, why
-from trainplan.plan.analytic import plan, resolve
+from trainplan.commands.advise import request_from_args
+from trainplan.plan.analytic import plan
 from trainplan.plan.ledger import gib
+from trainplan.resolve import resolve
 from trainplan.spec.model import from_hf_config
 
 
@@ -23,8 +25,8 @@ from trainplan.spec.model import from_hf_config
 def advise(*argv):
     """(search, ranked outcomes) for `trainplan advise ARGV`, in process."""
     args = cli.build_parser().parse_args(["advise", *argv])
-    s = search(command.request_from_args(args))
-    return s, command.ranked(s, args.prefer)
+    s = search(request_from_args(args))
+    return s, rank.ranked(s, args.prefer)
 
 
 def replanned(s, outcome, micro_batch=None):
@@ -329,6 +331,7 @@ def test_json_entries(capsys):
         assert e["estimate"]["step_seconds"] > 0 and e["why"]
 
 
+@pytest.mark.multiprocess
 def test_advise_imports_no_torch():
     code = (
         "import sys; from trainplan.cli import main; "

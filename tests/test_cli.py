@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 
 from trainplan import cli
+from trainplan.commands import _common as common
 
 
 def run(*args, **kw):
     return subprocess.run([sys.executable, "-m", "trainplan", *args], capture_output=True, text=True, **kw)
 
 
+@pytest.mark.multiprocess
 def test_default_plan_runs_on_the_embedded_model():
     r = run("plan", "--gpus", "cpu")
     assert r.returncode == 0, r.stderr
@@ -23,6 +25,7 @@ def test_default_plan_runs_on_the_embedded_model():
         assert row in r.stdout
 
 
+@pytest.mark.multiprocess
 def test_json_schema_and_exit_code_for_does_not_fit():
     r = run("plan", "--model", "Llama-3.1-70B", "--gpus", "2xA100-80GB", "--json")
     assert r.returncode == 1
@@ -40,6 +43,7 @@ def test_json_schema_and_exit_code_for_does_not_fit():
     assert len(doc["devices"]) == 2
 
 
+@pytest.mark.multiprocess
 def test_markdown_output_to_file(tmp_path):
     out = tmp_path / "plan.md"
     r = run("plan", "--model", "Qwen2.5-0.5B", "--gpus", "L4", "--markdown", "--output", str(out))
@@ -48,6 +52,7 @@ def test_markdown_output_to_file(tmp_path):
     assert text.startswith("## trainplan plan: Qwen2.5-0.5B") and "| weights |" in text
 
 
+@pytest.mark.multiprocess
 def test_the_analytic_path_imports_no_torch():
     code = (
         "import sys; from trainplan.cli import main; rc = main(['plan', '--gpus', 'cpu', '--json']); "
@@ -78,6 +83,7 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize(("args", "message"), BAD_INPUTS)
+@pytest.mark.multiprocess
 def test_bad_input_is_one_line_naming_field_and_fix(args, message, tmp_path):
     out = tmp_path / "plan.json"
     r = run("plan", *args, "--json", "--output", str(out))
@@ -89,6 +95,7 @@ def test_bad_input_is_one_line_naming_field_and_fix(args, message, tmp_path):
     assert not out.exists() and list(tmp_path.iterdir()) == []  # nothing half-written
 
 
+@pytest.mark.multiprocess
 def test_malformed_config_json_is_one_line(tmp_path):
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
@@ -106,11 +113,12 @@ def test_command_table_and_parser_agree():
 def test_every_config_flag_maps_to_a_real_field():
     from trainplan import config as C
 
-    for _, key, _ in cli.CONFIG_FLAGS + tuple((f, k, {}) for f, k, _ in cli.SWITCHES):
+    for _, key, _ in common.CONFIG_FLAGS + tuple((f, k, {}) for f, k, _ in common.SWITCHES):
         C._set_dotted({}, key, 1)  # raises on an unknown key
 
 
 @pytest.mark.parametrize("example", sorted(p.name for p in (Path(__file__).parent.parent / "examples").glob("*.toml")))
+@pytest.mark.multiprocess
 def test_shipped_examples_plan(example):
     path = Path(__file__).parent.parent / "examples" / example
     r = run("plan", str(path), "--json")
@@ -135,7 +143,7 @@ def test_flags_reach_verify_resume_runs_as_settings():
             "train.seed=3",
         ]
     )
-    settings = cli.settings_from_args(args)
+    settings = common.settings_from_args(args)
     flags = [f"{k}={C.toml_literal(v)}" for k, v in settings.items()]
     cfg = C.load(None, flags + args.set)
     assert (
@@ -147,6 +155,7 @@ def test_flags_reach_verify_resume_runs_as_settings():
     ) == ("lora", ["q_proj", "k_proj"], True, 64, 3)
 
 
+@pytest.mark.multiprocess
 def test_verify_resume_refuses_k_outside_the_run():
     r = run("verify-resume", "--steps", "4", "--at", "4")
     assert r.returncode == 2 and "--at: must be between 1 and 3 (got 4)" in r.stderr

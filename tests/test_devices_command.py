@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainplan import cli
-from trainplan import devices as D
+from trainplan.verify import preflight as D
 
 ROOT = Path(__file__).resolve().parents[1]
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the CPU inventory of a machine without GPUs")
@@ -22,6 +22,7 @@ def run(*args, **kw):
 
 
 @cpu_only
+@pytest.mark.multiprocess
 def test_json_inventory_of_the_cpu_and_what_was_not_checked():
     r = run("devices", "--json")
     assert r.returncode == 0, r.stderr
@@ -42,6 +43,7 @@ def test_json_inventory_of_the_cpu_and_what_was_not_checked():
 
 
 @cpu_only
+@pytest.mark.multiprocess
 def test_table_to_file_lists_what_was_not_checked(tmp_path):
     out = tmp_path / "devices.txt"
     r = run("devices", "--skip-health", "-o", str(out))
@@ -65,6 +67,7 @@ def test_table_to_file_lists_what_was_not_checked(tmp_path):
     ],
 )
 @cpu_only
+@pytest.mark.multiprocess
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     out = tmp_path / "devices.json"
     r = run("devices", *args, "--json", "-o", str(out))
@@ -74,6 +77,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     assert r.stdout == "" and not out.exists()
 
 
+@pytest.mark.multiprocess
 def test_a_failed_check_exits_1_and_is_named(monkeypatch, capsys):
     failed = D.CheckResult(name="matmul cuda:0", passed=False, summary="bfloat16 8192^3: 12% of nominal")
     monkeypatch.setattr(D, "health_checks", lambda inv, targets, args: ([failed], ["nothing else"]))
@@ -84,6 +88,7 @@ def test_a_failed_check_exits_1_and_is_named(monkeypatch, capsys):
     assert capsys.readouterr().out.rstrip().endswith("FAIL: matmul cuda:0")
 
 
+@pytest.mark.multiprocess
 def test_determinism_check_compares_two_real_runs():
     cpu = D.cpu_info()
     same = D.check_determinism([cpu], seed=0)
@@ -151,6 +156,7 @@ def test_gpu_matrix_covers_the_issue_and_fits_one_h200():
         assert ledger.fits, (row, ledger.verdict)
 
 
+@pytest.mark.multiprocess
 def test_gpu_validate_smoke_run_writes_the_results(tmp_path):
     out = tmp_path / "results.json"
     r = subprocess.run(

@@ -87,6 +87,48 @@ def cases() -> dict[str, dict]:
             "precision": "amp-fp16",
         },
     }
+    extra |= {  # branches the cases above leave out
+        "pp-accum-lora-ac": {
+            "mode": "lora",
+            "parallel.pp": 2,
+            "batch.grad_accum_steps": 4,
+            "memory.activation_checkpointing": True,
+            "hardware.gpus": "2xA100-80GB",
+        },
+        "zero1-lora": {"mode": "lora", "parallel.strategy": "zero1", "hardware.gpus": "4xA100-80GB"},
+        "zero2-lora": {"mode": "lora", "parallel.strategy": "zero2", "hardware.gpus": "4xA100-80GB"},
+        "fsdp-grad-op-lora": {"mode": "lora", "parallel.strategy": "fsdp-grad-op", "hardware.gpus": "4xA100-80GB"},
+        "tp-lora": {"mode": "lora", "parallel.tp": 2, "hardware.gpus": "2xH100-80GB"},
+        "tp-zero3": {"parallel.tp": 2, "parallel.strategy": "zero3", "hardware.gpus": "8xH100-80GB"},
+        "offload-lora-dp": {
+            "mode": "lora",
+            "parallel.offload_optimizer": True,
+            "hardware.gpus": "2xL4",
+            "precision": "amp-bf16",
+        },
+        "inference-tp-pp": {"mode": "inference", "parallel.tp": 2, "parallel.pp": 2, "hardware.gpus": "4xL4"},
+        "sgd-fused-accum": {
+            "optim.name": "sgd",
+            "optim.implementation": "fused",
+            "batch.grad_accum_steps": 2,
+            "hardware.gpus": "H100-80GB",
+        },
+        "zero3-one-layer-stage": {
+            "model.source": "GPT-2",
+            "batch.seq_len": 1024,
+            "parallel.pp": 12,
+            "parallel.strategy": "zero3",
+            "hardware.gpus": "24xT4",
+            "precision": "amp-fp16",
+        },
+        "gpt2-tp-rowwise-bias": {
+            "model.source": "GPT-2",
+            "batch.seq_len": 1024,
+            "parallel.tp": 2,
+            "hardware.gpus": "2xT4",
+            "precision": "amp-fp16",
+        },
+    }
     for name, settings in extra.items():
         out[f"extra:{name}"] = {"settings": {**base, **settings}}
     return out

@@ -8,10 +8,12 @@ import subprocess
 
 import pytest
 
-from trainplan import accept, cli, registry
+from trainplan import cli
 from trainplan import config as C
+from trainplan.commands.train import execute
 from trainplan.plan import analytic
-from trainplan.report import GROUP_COLORS
+from trainplan.verify import accept, checks, registry
+from trainplan.verify.report import GROUP_COLORS
 
 pytestmark = pytest.mark.slow
 
@@ -25,11 +27,7 @@ def sets(tiny_run, *extra):
 def accepted(tiny_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("accept")
     db = out / "runs.sqlite"
-    old = os.environ.get("TRAINPLAN_REGISTRY")
-    try:
-        code = cli.main(["accept", *sets(tiny_run, "train.steps=6"), "--output-dir", str(out), "--registry", str(db)])
-    finally:
-        os.environ["TRAINPLAN_REGISTRY"] = old
+    code = cli.main(["accept", *sets(tiny_run, "train.steps=6"), "--output-dir", str(out), "--registry", str(db)])
     return code, out, db, json.loads((out / "accept.json").read_text())
 
 
@@ -95,15 +93,15 @@ def test_memory_check_measures_what_the_plan_omits(accepted):
     _, _, _, result = accepted
     record = dict(result["record"], memory=result["memory"])
     ledger = analytic.plan(C.from_dict(record["config"]))
-    assert accept.check_memory(record, ledger, 0.05).passed
-    assert not accept.check_memory(record, accept.perturbed(ledger, {"weights": 0.5}), 0.05).passed
+    assert checks.check_memory(record, ledger, 0.05).passed
+    assert not checks.check_memory(record, accept.perturbed(ledger, {"weights": 0.5}), 0.05).passed
     with pytest.raises(Exception, match="no component 'nonsense'"):
         accept.perturbed(ledger, {"nonsense": 2.0})
 
 
 def test_inference_acceptance(tiny_run, tmp_path):
     root, base = tiny_run
-    cfg = C.load(None, [*accept.DEFAULT_SETTINGS, *base, "mode=inference"])
+    cfg = C.load(accept.DEFAULT_CONFIG, [*base, "mode=inference"])
     result = accept.accept(cfg, out_dir=tmp_path)
     checks = {c["key"]: c for c in result["checks"]}
     assert result["verdict"] == "PASS", result["failing"]
@@ -160,12 +158,10 @@ def test_html_report_renders_its_plots_in_a_headless_browser(accepted, tmp_path)
 
 def test_runs_list_show_compare(accepted, tiny_run, tmp_path, capsys):
     _, out, db, _ = accepted
-    from trainplan.run import loop
-
     root, base = tiny_run
-    record = loop.run(C.load(None, [*base, "mode=full", f"train.output_dir={tmp_path}"]), quiet=True)
+    record = execute(C.load(None, [*base, "mode=full", f"train.output_dir={tmp_path}"]), quiet=True)[0]
     assert record["registry_id"] is not None  # train runs register themselves (the suite's registry)
-    rows = registry.rows()
+    rows = registry.rows(registry.path())
     assert rows[-1]["kind"] == "train" and rows[-1]["mode"] == "full"
     assert cli.main(["runs", "list", "--registry", str(db)]) == 0
     assert re.search(r"^1\s+accept\s", capsys.readouterr().out, re.M)

@@ -7,8 +7,10 @@ import pickle
 import pytest
 
 from trainplan import config as C
+from trainplan.commands.train import execute
 from trainplan.errors import ConfigError
-from trainplan.run import checkpoint, loop
+from trainplan.files import sha256_file
+from trainplan.run import checkpoint
 from trainplan.verify.resume import verify
 
 torch = pytest.importorskip("torch")
@@ -37,6 +39,7 @@ def cli_args(tiny_run, *extra):
         ("lora at an epoch boundary", ["mode=lora", "batch.micro_batch_size=16"], 9, 6),
     ],
 )
+@pytest.mark.multiprocess
 def test_resume_is_bitwise_identical_to_the_uninterrupted_run(tiny_run, tmp_path, name, extra, steps, at):
     result = verify(cli_args(tiny_run, *extra), steps=steps, at=at, workdir=tmp_path)
     assert result["passed"], (name, result["checks"], result["max_deviation"])
@@ -47,8 +50,7 @@ def test_resume_is_bitwise_identical_to_the_uninterrupted_run(tiny_run, tmp_path
 
 def run(tiny_run, out, *extra):
     root, base = tiny_run
-    record = loop.run(C.load(None, [*base, f"train.output_dir={out}", *extra]), quiet=True)
-    record.pop("_env")
+    record = execute(C.load(None, [*base, f"train.output_dir={out}", *extra]), quiet=True)[0]
     return record
 
 
@@ -114,7 +116,7 @@ def test_a_pickled_payload_is_refused_without_running(tiny_run, tmp_path, three_
     manifest = json.loads((target / "manifest.json").read_text())  # forge a matching manifest
     manifest["parts"]["optimizer.pt"] = {
         "bytes": (target / "optimizer.pt").stat().st_size,
-        "sha256": checkpoint._sha256(target / "optimizer.pt"),
+        "sha256": sha256_file(target / "optimizer.pt"),
     }
     (target / "manifest.json").write_text(json.dumps(manifest))
     if os.path.exists("/tmp/trainplan-pwned"):

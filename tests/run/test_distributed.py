@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from trainplan import config as C
-from trainplan.run import loop
+from trainplan.commands.train import execute
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -44,8 +44,7 @@ def single_full(tiny_run, tmp_path_factory):
             f"train.output_dir={tmp_path_factory.mktemp('single')}",
         ],
     )
-    record = loop.run(cfg, quiet=True)
-    record.pop("_env")
+    record = execute(cfg, quiet=True)[0]
     return record
 
 
@@ -103,8 +102,7 @@ def test_fsdp_resume_through_dcp_is_bitwise(tiny_run, tmp_path, mode, strategy):
 
 def _in_process(tiny_run, out, *extra) -> dict:
     root, base = tiny_run
-    record = loop.run(C.load(None, [*base, f"train.output_dir={out}", *extra]), quiet=True)
-    record.pop("_env")
+    record = execute(C.load(None, [*base, f"train.output_dir={out}", *extra]), quiet=True)[0]
     return record
 
 

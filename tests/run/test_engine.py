@@ -6,8 +6,9 @@ import pytest
 
 from trainplan import config as C
 from trainplan import resolve
+from trainplan.commands.train import execute
 from trainplan.errors import ConfigError
-from trainplan.run import build, data, loop, step
+from trainplan.run import build, data, step
 
 torch = pytest.importorskip("torch")
 
@@ -15,8 +16,7 @@ torch = pytest.importorskip("torch")
 def run(tiny_run, tmp_path, *extra):
     root, base = tiny_run
     cfg = C.load(None, [*base, f"train.output_dir={tmp_path}", *extra])
-    record = loop.run(cfg, quiet=True)
-    record.pop("_env")
+    record = execute(cfg, quiet=True)[0]
     return record
 
 
@@ -68,7 +68,8 @@ def test_gradient_accumulation_equals_one_bigger_batch(tiny_run):
         torch.manual_seed(0)
         model = build.materialize(build.build_model(r.spec, cfg, r.precision), "cpu")
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        res = step.train_step(model, opt, micro_batches, prec=r.precision, device_type="cpu", max_grad_norm=None)
+        settings = step.StepSettings(prec=r.precision, device_type="cpu", max_grad_norm=None)
+        res = step.train_step(model, step.Update(opt), micro_batches, settings)
         return res.loss, [p.detach().clone() for p in model.parameters()]
 
     big_loss, big = after_one_step([{"input_ids": ids, "labels": labels}])
@@ -88,11 +89,11 @@ def test_split_is_by_document(tiny_run):
 
 
 def test_prompt_completion_and_chat_mask_the_loss(tiny_run, tmp_path):
-    from trainplan.run import models
+    from trainplan.run import weights
 
     root, base = tiny_run
     cfg = C.load(None, base)
-    tok = models.load_tokenizer(cfg, resolve.resolve(cfg).spec)
+    tok = weights.load_tokenizer(cfg, resolve.resolve(cfg).spec)
     ids, labels = data.tokenize(data.Document(name="x", prompt="Q: 2+2?", completion=" A: 4"), tok)
     n_prompt = len(tok("Q: 2+2?", add_special_tokens=False)["input_ids"])
     assert labels[:n_prompt] == [data.IGNORE_INDEX] * n_prompt and labels[n_prompt:] == ids[n_prompt:]
@@ -160,6 +161,7 @@ TRAIN_BAD_INPUTS = [
 
 
 @pytest.mark.parametrize(("args", "message"), TRAIN_BAD_INPUTS)
+@pytest.mark.multiprocess
 def test_train_bad_input_is_one_line_and_writes_nothing(tiny_run, tmp_path, args, message):
     import subprocess
     import sys
@@ -191,15 +193,28 @@ def test_embedded_default_loads_exactly_as_transformers_does():
     """Weights and every config field (RoPE base, norm epsilon) of the pretrained default model."""
     import transformers
 
-    from trainplan.run import dist, models
+    from trainplan.run import dist, setup, weights
 
     cfg = C.load(
         None, ["mode=lora", "precision=fp32", "batch.seq_len=64", "batch.micro_batch_size=2", "hardware.gpus=cpu"]
     )
-    _, r, tok, _, (ids, _), _, model = loop.prepare(cfg, dist.init())
-    reference = transformers.AutoModelForCausalLM.from_pretrained(str(models.weights_dir(cfg)), dtype=torch.float32)
+    job = setup.prepare(cfg, dist.init())
+    ids, model = job.train.ids, job.model
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(weights.weights_dir(cfg)), dtype=torch.float32)
     model.eval()
     reference.eval()
     x = ids[:2]
     with torch.no_grad():
         assert float(model(input_ids=x, labels=x).loss) == float(reference(input_ids=x, labels=x).loss)
+
+
+# The first five losses of a seeded fp32 full fine-tune of the tiny model (tiny_run: 2 layers,
+# hidden 64, seq 32, micro-batch 4, AdamW lr 1e-3), pinned as torchtune pins its recipes' losses:
+# a change to the loop, the loss, the data order or the optimizer that moves them fails here.
+GOLDEN_LOSSES = [10.796534538269043, 10.799260139465332, 10.767818450927734, 10.722864151000977, 10.647464752197266]
+
+
+def test_golden_losses(tiny_run, tmp_path):
+    record = run(tiny_run, tmp_path, "mode=full", "train.steps=5", "train.eval_batches=1", "train.measure_memory=false")
+    losses = [s["loss"] for s in record["steps"]]
+    assert losses == pytest.approx(GOLDEN_LOSSES, rel=1e-5)

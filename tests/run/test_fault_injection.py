@@ -24,6 +24,7 @@ def _cmd(tiny_run, out, *extra):
     return args
 
 
+@pytest.mark.multiprocess
 def test_sigkill_anywhere_then_resume_auto(tiny_run, tmp_path):
     ref = subprocess.run(_cmd(tiny_run, tmp_path / "ref"), capture_output=True, text=True)
     assert ref.returncode == 0, ref.stderr[-2000:]

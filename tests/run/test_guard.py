@@ -9,15 +9,16 @@ import pytest
 
 from trainplan import cli
 from trainplan import config as C
+from trainplan.commands._common import EXIT_GUARD_STOP
+from trainplan.commands.train import execute
 from trainplan.errors import ConfigError
-from trainplan.run import guard, loop
+from trainplan.run import guard
 
 
 def run(tiny_run, out, *extra):
     root, base = tiny_run
     cfg = C.load(None, [*base, "train.measure_memory=false", "train.eval_batches=1", f"train.output_dir={out}", *extra])
-    record = loop.run(cfg, quiet=True)
-    record.pop("_env")
+    record = execute(cfg, quiet=True)[0]
     return record
 
 
@@ -145,7 +146,7 @@ def test_stop_keeps_a_checkpoint_and_exits_non_zero(tiny_run, tmp_path, capsys):
         + ["guard.on_nonfinite=stop", "guard.inject=['nan-grad@3']"]
         for x in ("--set", item)
     ]
-    assert cli.main(args) == cli.EXIT_GUARD_STOP
+    assert cli.main(args) == EXIT_GUARD_STOP
     assert "stopped by the stability guard at step 3" in capsys.readouterr().out
     record = json.loads((tmp_path / "record.json").read_text())
     assert record["stopped"]["step"] == 3 and len(record["steps"]) == 3
@@ -236,7 +237,7 @@ def test_rollback_never_uses_another_runs_checkpoint(tiny_run, tmp_path):
 
 def test_accept_does_not_count_the_fp16_scalers_own_skips_as_instability():
     """amp-fp16: a step the GradScaler skipped for inf gradients is AMP at work, not a NaN."""
-    from trainplan import accept
+    from trainplan.verify import checks as accept
 
     steps = [{"step": i, "loss": 2.0 - 0.01 * i, "grad_norm": 1.0} for i in range(1, 13)]
     steps[3] = {**steps[3], "grad_norm": math.inf, "skipped": True}

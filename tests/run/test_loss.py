@@ -103,7 +103,8 @@ def test_training_steps_follow_the_same_trajectory(tmp_path, tiny_llama):
         opt = step.build_optimizer(m, "adamw", "auto", 1e-2, 0.0, "cpu")
         seq = []
         for _ in range(4):  # one batch, four times: the loss must fall
-            res = step.train_step(m, opt, [_batch(tiny_llama["vocab_size"])], prec=r.precision, device_type="cpu")
+            settings = step.StepSettings(prec=r.precision, device_type="cpu")
+            res = step.train_step(m, step.Update(opt), [_batch(tiny_llama["vocab_size"])], settings)
             seq.append(float(res.loss))
         losses.append(seq)
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)

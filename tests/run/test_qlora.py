@@ -9,7 +9,7 @@ import pytest
 from trainplan import config as C
 from trainplan.errors import TrainplanError
 from trainplan.plan.analytic import NF4_BYTES, NF4_CONSTANTS_BYTES, plan
-from trainplan.run import build, contract, models, qlora
+from trainplan.run import build, contract, qlora, record, weights
 from trainplan.spec.model import load_model_spec
 from trainplan.spec.parallel import build_parallel_dims
 from trainplan.spec.precision import PRECISIONS
@@ -47,7 +47,7 @@ def qlora_cfg(source, *extra):
 def load(cfg, *, seed=0):
     torch.manual_seed(seed)
     spec = load_model_spec(cfg.model.source)
-    return models.load_model(cfg, spec, PRECISIONS[cfg.precision], torch.device("cpu"), allow_cpu=True)
+    return weights.load_model(cfg, spec, PRECISIONS[cfg.precision], torch.device("cpu"), allow_cpu=True)
 
 
 def quantized(model):
@@ -196,6 +196,7 @@ def test_qlora_under_fsdp_is_refused(tiny_source):
         build.build_model(spec, cfg, PRECISIONS[cfg.precision], dims=dims, allow_cpu=True)
 
 
+@pytest.mark.multiprocess
 def test_train_cli_refuses_qlora_on_the_cpu_in_one_line(tiny_source, tmp_path):
     import subprocess
     import sys
@@ -219,7 +220,5 @@ def test_train_cli_refuses_qlora_on_the_cpu_in_one_line(tiny_source, tmp_path):
 def test_a_qlora_run_records_the_bitsandbytes_version():
     import bitsandbytes
 
-    from trainplan.run import loop
-
-    assert loop.versions("qlora")["bitsandbytes"] == bitsandbytes.__version__ == qlora.TESTED_BITSANDBYTES
-    assert "bitsandbytes" not in loop.versions("lora")
+    assert record.versions("qlora")["bitsandbytes"] == bitsandbytes.__version__ == qlora.TESTED_BITSANDBYTES
+    assert "bitsandbytes" not in record.versions("lora")

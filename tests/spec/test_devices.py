@@ -88,6 +88,7 @@ def test_reported_gpu_names_map_to_the_catalog(reported, catalog):
     assert (found.name if found else None) == catalog
 
 
+@pytest.mark.multiprocess
 def test_detect_reads_nvidia_smi(tmp_path, monkeypatch):
     """A stand-in nvidia-smi on PATH: each GPU on its own, matched to the catalog where known."""
     smi = tmp_path / "nvidia-smi"

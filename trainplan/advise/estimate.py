@@ -128,11 +128,11 @@ def data_parallel_bytes(r: Resolved) -> float:
         grad_bytes = param_bytes = 4
     accum = r.batch.grad_accum_steps
     gathered = params * prec.compute_bytes
-    if dims.strategy in ("ddp", "zero1"):
+    if dims.keeps_grad_buckets:  # ddp, zero1: one all-reduce of the gradients per step
         return 2 * f * trainable * grad_bytes
-    if dims.strategy == "zero2":
+    if dims.keeps_grad_partition:  # zero2: a reduce-scatter per micro-batch, the parameters' all-gather
         return accum * f * trainable * grad_bytes + f * trainable * param_bytes
-    if dims.strategy == "zero3":
+    if dims.reshard_after_forward:  # zero3: gathered twice (forward, backward) per micro-batch
         return accum * (2 * f * gathered + f * trainable * grad_bytes)
     return accum * (f * gathered + f * trainable * grad_bytes)  # fsdp-grad-op
 

@@ -31,6 +31,16 @@ COMPONENTS = (
 RESULT_FITS, RESULT_DOES_NOT_FIT, RESULT_BAD_INPUT = 0, 1, 2
 
 
+# Comparison groups: the tracker's categories cannot tell an autocast copy or a logits buffer
+# from other forward tensors, so analytic and traced bills are compared on these sums.
+GROUPS = {
+    "states": ("weights", "adapter", "buffers"),
+    "gradients": ("gradients",),
+    "optimizer": ("optimizer", "optimizer_temp"),
+    "activations+": ("activations", "logits_loss", "weight_copies", "comm_buffers", "kv_cache"),
+}
+
+
 @dataclass(kw_only=True)
 class DeviceLedger:
     """One device's bill. `phases` holds allocated bytes per component in each phase."""

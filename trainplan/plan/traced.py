@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import resource
 import time
 from dataclasses import dataclass, field
 
@@ -23,17 +22,8 @@ from trainplan.config import RunConfig
 from trainplan.errors import TrainplanError
 from trainplan.plan import analytic
 from trainplan.plan.analytic import ZERO2_BUCKET_BYTES
-from trainplan.plan.ledger import Ledger
+from trainplan.plan.ledger import GROUPS, Ledger
 from trainplan.spec.model import ModelSpec
-
-# Comparison groups: the tracker's categories cannot tell an autocast copy or a logits buffer
-# from other forward tensors, so analytic and traced bills are compared on these sums.
-GROUPS = {
-    "states": ("weights", "adapter", "buffers"),
-    "gradients": ("gradients",),
-    "optimizer": ("optimizer", "optimizer_temp"),
-    "activations+": ("activations", "logits_loss", "weight_copies", "comm_buffers", "kv_cache"),
-}
 
 
 @dataclass(kw_only=True)
@@ -73,26 +63,6 @@ def _check_traceable(r: resolve.Resolved) -> None:
         )
 
 
-def to_components(raw: dict[str, int], *, adapter_params: int, states: int, lora: bool, phase: str) -> dict[str, int]:
-    """Tracker categories -> ledger components. LoRA's params/grads/states are exactly known, so
-    they move to the adapter row; in the optimizer phase, what exceeds the states is temporary.
-    FSDP's all-gathered parameters and reduce-scatter buffers count as activations here."""
-    out = {
-        "weights": raw.get("params", 0),
-        "buffers": raw.get("buffers", 0),
-        "gradients": raw.get("grads", 0),
-        "optimizer": raw.get("optimizer", 0),
-        "activations": raw.get("activations", 0) + raw.get("inputs", 0),
-    }
-    if phase == "optimizer":
-        out["optimizer_temp"] = max(0, out["optimizer"] - states)
-        out["optimizer"] -= out["optimizer_temp"]
-    if lora:
-        out["weights"] -= adapter_params
-        out["adapter"] = adapter_params + out.pop("gradients") + out.pop("optimizer")
-    return out
-
-
 def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) -> tuple[TraceResult, resolve.Resolved]:
     """Trace one warm-up and one measured step on fake tensors; per-phase peaks of the measured one.
 
@@ -108,7 +78,7 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
     P.check_torch_version()
     import torch
 
-    from trainplan.run import build, step
+    from trainplan.run import build, measure, step
 
     t0 = time.perf_counter()
     dims, prec, batch = r.dims, r.precision, r.batch
@@ -138,14 +108,10 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
                 if cfg.mode == "inference":
                     step.eval_forward(model, micro_batches[0], prec=prec, device_type="cpu", on_phase=on_phase)
                 else:
+                    settings = step.StepSettings(prec=prec, device_type="cpu")
+                    hooks = step.StepHooks(on_phase=on_phase)
                     step.train_step(
-                        model,
-                        optimizer,
-                        micro_batches,
-                        prec=prec,
-                        device_type="cpu",
-                        on_phase=on_phase,
-                        token_count=tokens,
+                        model, step.Update(optimizer), micro_batches, settings, token_count=tokens, hooks=hooks
                     )
 
     def body(mesh=None):
@@ -170,10 +136,10 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
             run_traced(tracker, model, optimizer, micro_batches, tokens)
             trainable = [p for p in model.parameters() if p.requires_grad]
             shapes[:] = [tuple(p.shape) for p in trainable]
-            adapter_params = sum(_local_nbytes(p) for p in trainable) if cfg.mode == "lora" else 0
+            adapter_params = sum(measure.local_nbytes(p) for p in trainable) if cfg.mode == "lora" else 0
             states = (
                 sum(
-                    _local_nbytes(t)
+                    measure.local_nbytes(t)
                     for s in optimizer.state.values()
                     for t in s.values()
                     if isinstance(t, torch.Tensor)
@@ -194,7 +160,7 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
 
     lora = cfg.mode == "lora"
     comps = {
-        ph: to_components(raw, adapter_params=adapter_params, states=states, lora=lora, phase=ph)
+        ph: measure.to_components(raw, adapter_params=adapter_params, states=states, lora=lora, phase=ph)
         for ph, raw in phases.items()
     }
     rows = {c: "traced" for ph in comps.values() for c in ph}
@@ -203,7 +169,7 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
         f"{'FSDP rank 0 of ' + str(world) if fsdp else 'one rank'}, "
         f"{micro_steps} micro-batch(es) per step, measured on the second step"
     ]
-    if not fsdp and dims.strategy in ("ddp", "zero1", "zero2") and cfg.mode != "inference":
+    if not fsdp and dims.keeps_grads_between_steps and cfg.mode != "inference":
         _derive_data_parallel(comps, rows, dims, r, shapes)
         notes.append(f"{dims.strategy} rows derived from the single-rank trace (dp {dims.dp})")
     if target == "cuda":
@@ -211,7 +177,7 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
             "traced with CPU kernels: CUDA-only kernels (flash attention's saved tensors, fused "
             "cross-entropy) and CUDA autocast's op lists may differ"
         )
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = measure.max_rss_bytes()
     return TraceResult(
         phases=comps,
         raw=phases,
@@ -223,33 +189,28 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
     ), r
 
 
-def _local_nbytes(t) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
-
-
 def _derive_data_parallel(comps: dict[str, dict[str, int]], rows: dict[str, str], dims, r, shapes) -> None:
     """DDP keeps gradients in its buckets; ZeRO-1 shards optimizer state (rank 0's share of
     ZeroRedundancyOptimizer's partition); ZeRO-2 also gradients (evenly)."""
     dp = dims.dp
     total = sum(math.prod(s) for s in shapes)
     share = 1 / dp
-    if dims.strategy == "zero1" and total:
+    if dims.partitions_optimizer_by_tensor and total:
         share = sum(math.prod(s) for s in analytic.zero1_partition(shapes, dp)[0]) / total
     grads = comps["optimizer"].get("gradients", 0)
     for ph in ("forward", "backward"):
-        if dims.strategy in ("ddp", "zero1"):
+        if dims.keeps_grad_buckets:
             comps[ph]["gradients"] = max(comps[ph].get("gradients", 0), grads)
             rows["gradients"] = "derived: DDP buckets hold the gradients between steps"
-        elif dims.strategy == "zero2":
+        elif dims.keeps_grad_partition:
             comps[ph]["gradients"] = max(comps[ph].get("gradients", 0) // dp, grads // dp)
-    if dims.strategy in ("zero1", "zero2"):
+    if dims.shards_optimizer:  # zero1 or zero2 here: FSDP is traced per rank, not derived
         for ph in comps:
             for c in ("optimizer", "optimizer_temp"):
                 if c in comps[ph]:
                     comps[ph][c] = math.ceil(comps[ph][c] * share)
         rows["optimizer"] = f"derived: {dims.strategy} shards optimizer state over dp {dp} (rank 0: {share:.1%})"
-    if dims.strategy == "zero2":
+    if dims.keeps_grad_partition:
         comps["optimizer"]["gradients"] = -(-grads // dp)
         comps["backward"]["comm_buffers"] = min(ZERO2_BUCKET_BYTES, grads)
         rows["gradients"] = f"derived: zero2 shards gradients over dp {dp}"

@@ -84,7 +84,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, prec: Precision, mesh) -> n
     mp = MixedPrecisionPolicy(
         param_dtype=dt.compute, reduce_dtype=torch.float32 if prec.grad_bytes == 4 else dt.compute
     )
-    reshard = dims.strategy == "zero3"
+    reshard = dims.reshard_after_forward
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)

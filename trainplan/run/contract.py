@@ -14,14 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+from trainplan.run.dist import to_local
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     """A CPU copy of every parameter (the local shard under FSDP)."""
-    return {n: _local(p).detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+    return {n: to_local(p).detach().to("cpu", copy=True) for n, p in model.named_parameters()}
 
 
 @dataclass(frozen=True)
@@ -43,7 +41,7 @@ class ContractResult:
 
 
 def check(mode: str, model: nn.Module, before: dict[str, torch.Tensor], *, optimizer=None) -> ContractResult:
-    after = {n: _local(p).detach().cpu() for n, p in model.named_parameters()}
+    after = {n: to_local(p).detach().cpu() for n, p in model.named_parameters()}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     changed = {n for n in after if not torch.equal(after[n], before[n])}
     if mode == "inference":

@@ -69,9 +69,10 @@ def finish(env: DistEnv, code: int) -> int:
     return code
 
 
-def wrap(model: nn.Module, strategy: str, env: DistEnv) -> nn.Module:
-    """DDP for ddp/zero1 (ZeRO-1 shards only the optimizer); FSDP2 is applied by the builder."""
-    if env.world == 1 or strategy in ("zero3", "fsdp-grad-op", "single"):
+def wrap(model: nn.Module, dims, env: DistEnv) -> nn.Module:
+    """DDP for ddp/zero1 (ZeRO-1 shards only the optimizer); FSDP2 is applied by the builder.
+    dims: the layout's ParallelDims."""
+    if env.world == 1 or not dims.keeps_grad_buckets:
         return model
     from torch.nn.parallel import DistributedDataParallel
 
@@ -83,3 +84,13 @@ def mesh(env: DistEnv):
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(env.device.type, (env.world,))
+
+
+def to_local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2, TP); a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (a collective: every rank must call it in order)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

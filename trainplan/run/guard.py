@@ -11,9 +11,13 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-WINDOW = 128
-THRESHOLD = 6.0
-ACTIONS = ("skip", "rollback", "stop")  # in rising severity: across ranks the most severe wins
+from trainplan.config import GUARD_ACTIONS, GuardConfig
+from trainplan.run.dist import full_tensor
+
+# One source for the defaults: the config's (guard.window, guard.threshold, the actions).
+WINDOW = GuardConfig.window
+THRESHOLD = GuardConfig.threshold
+ACTIONS = GUARD_ACTIONS  # in rising severity: across ranks the most severe wins
 
 
 @dataclass
@@ -162,3 +166,43 @@ class Guard:
         self.loss.values = deque(state["loss"], maxlen=self.cfg.window)
         self.grad.values = deque(state["grad_norm"], maxlen=self.cfg.window)
         self.rollbacks = state.get("rollbacks", 0)
+
+
+class StepGuard:
+    """The cross-rank decision of one optimizer step: apply, skip, roll back or stop.
+
+    Every rank reaches the same decision: the values are global, and the action is reduced across
+    ranks too (the most severe wins), so no rank steps while another skips. `step.train_step` calls
+    it after the gradients are complete; the loop reads `loss` and `event` afterwards."""
+
+    def __init__(self, guard: Guard, env) -> None:
+        self.guard, self.env = guard, env
+        self.step, self.batch_ids = 0, []
+        self.loss: float = math.nan
+        self.event: dict | None = None
+
+    def begin(self, step: int, batch_ids: list[int]) -> None:
+        self.step, self.batch_ids, self.loss, self.event = step, batch_ids, math.nan, None
+
+    def __call__(self, loss_t, norm_t, scale: float | None) -> bool:
+        env = self.env
+        loss = float(env.all_reduce_sum(loss_t.float().cpu())) if env.world > 1 else float(loss_t)
+        norm = float(full_tensor(norm_t))
+        event = self.guard.check(self.step, loss, norm, scale)
+        code = float(ACTIONS.index(event["action"]) + 1 if event else 0)
+        code = int(env.all_reduce_max(_tensor(code))) if env.world > 1 else int(code)
+        if code and event is None:  # another rank saw it
+            event = {"step": self.step, "kind": "remote", "key": "-", "value": float("nan")}
+        if code:
+            event["action"] = ACTIONS[code - 1]
+        self.guard.observe(loss, norm)
+        if event is not None:
+            event["batch_ids"] = env.gather(self.batch_ids)
+        self.loss, self.event = loss, event
+        return event is None
+
+
+def _tensor(x: float):
+    import torch
+
+    return torch.tensor(x)

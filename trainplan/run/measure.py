@@ -19,13 +19,12 @@ import resource
 import torch
 from torch import nn
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+from trainplan.run.dist import to_local
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    local = _local(t)
+def local_nbytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds of a tensor (its shard of a DTensor)."""
+    local = to_local(t)
     return local.numel() * local.element_size()
 
 
@@ -34,11 +33,11 @@ def placement(model: nn.Module) -> dict:
     base = getattr(model, "module", model)
     out: dict[str, dict] = {}
     for name, p in base.named_parameters():
-        local = _local(p)
+        local = to_local(p)
         dev = str(local.device)
         entry = out.setdefault(dev, {"parameters": 0, "bytes": 0, "sharded": 0, "modules": []})
         entry["parameters"] += 1
-        entry["bytes"] += _nbytes(p)
+        entry["bytes"] += local_nbytes(p)
         entry["sharded"] += int(hasattr(p, "to_local"))
         top = ".".join(n for n in name.split(".")[:-1] if not n.isdigit())[:80] or name
         if top not in entry["modules"] and len(entry["modules"]) < 64:
@@ -47,7 +46,7 @@ def placement(model: nn.Module) -> dict:
         entry["buffers_bytes"] = 0
     for b in base.buffers():
         out.setdefault(str(b.device), {"parameters": 0, "bytes": 0, "sharded": 0, "modules": [], "buffers_bytes": 0})
-        out[str(b.device)]["buffers_bytes"] += _nbytes(b)
+        out[str(b.device)]["buffers_bytes"] += local_nbytes(b)
     return out
 
 
@@ -116,13 +115,11 @@ class StepMeter:
         return raw
 
     def result(self) -> dict:
-        from trainplan.plan.traced import to_components
-
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        adapter = sum(_nbytes(p) for p in trainable) if self.lora else 0
+        adapter = sum(local_nbytes(p) for p in trainable) if self.lora else 0
         inner = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer: this rank's shard
         opt_state = [s for s in inner.state.values() if isinstance(s, dict)] if inner is not None else []
-        states = sum(_nbytes(v) for s in opt_state for v in s.values() if isinstance(v, torch.Tensor))
+        states = sum(local_nbytes(v) for s in opt_state for v in s.values() if isinstance(v, torch.Tensor))
         phases = {
             ph: to_components(raw, adapter_params=adapter, states=states, lora=self.lora, phase=ph)
             for ph, raw in self._reclassified().items()
@@ -133,6 +130,31 @@ class StepMeter:
             "raw": self.raw,
             "cuda": self.cuda,
             "peak_bytes": max((sum(c.values()) for c in phases.values()), default=0),
-            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "max_rss_bytes": max_rss_bytes(),
             "placement": placement(self.model),
         }
+
+
+def to_components(raw: dict[str, int], *, adapter_params: int, states: int, lora: bool, phase: str) -> dict[str, int]:
+    """Tracker categories -> ledger components. LoRA's params/grads/states are exactly known, so
+    they move to the adapter row; in the optimizer phase, what exceeds the states is temporary.
+    FSDP's all-gathered parameters and reduce-scatter buffers count as activations here."""
+    out = {
+        "weights": raw.get("params", 0),
+        "buffers": raw.get("buffers", 0),
+        "gradients": raw.get("grads", 0),
+        "optimizer": raw.get("optimizer", 0),
+        "activations": raw.get("activations", 0) + raw.get("inputs", 0),
+    }
+    if phase == "optimizer":
+        out["optimizer_temp"] = max(0, out["optimizer"] - states)
+        out["optimizer"] -= out["optimizer_temp"]
+    if lora:
+        out["weights"] -= adapter_params
+        out["adapter"] = adapter_params + out.pop("gradients") + out.pop("optimizer")
+    return out
+
+
+def max_rss_bytes() -> int:
+    """This process's peak resident memory (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from trainplan.run.data import IGNORE_INDEX
+from trainplan.run.dist import to_local
 from trainplan.run.loss import causal_lm_loss
 from trainplan.spec.precision import Precision
 
@@ -40,76 +41,114 @@ def target_tokens(batch: dict) -> int:
     return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepSettings:
+    """How a step computes: precision, device, clipping, and the data-parallel gradient scale."""
+
+    prec: Precision
+    device_type: str
+    max_grad_norm: float | None = 1.0
+    # Data-parallel gradient averaging divides by the world size; the caller passes world here to
+    # keep the gradient of sum(token losses) / global tokens.
+    grad_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Update:
+    """The stateful parts of an update (a run's TrainState has the same three)."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: object = None
+    scaler: object = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepHooks:
+    """on_phase marks phase boundaries for the memory meter; decide(loss, grad_norm, loss_scale) is
+    the stability guard; inject is fault injection for tests: "nan-loss", "spike" (loss x 10),
+    "nan-grad" (one gradient element)."""
+
+    on_phase: Callable[[str], None] = lambda phase: None
+    decide: Callable[[torch.Tensor, torch.Tensor, float | None], bool] | None = None
+    inject: Sequence[str] = ()
+
+
+NO_HOOKS = StepHooks()
+
+
 def train_step(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    update,
     micro_batches: Sequence[dict],
+    settings: StepSettings,
     *,
-    prec: Precision,
-    device_type: str,
-    scaler=None,
-    max_grad_norm: float | None = 1.0,
-    on_phase: Callable[[str], None] = lambda phase: None,
     token_count: int | None = None,
-    grad_scale: float = 1.0,
-    scheduler=None,
-    decide: Callable[[torch.Tensor, torch.Tensor, float | None], bool] | None = None,
-    inject: Sequence[str] = (),
+    hooks: StepHooks = NO_HOOKS,
 ) -> StepResult:
     """Accumulate gradients over `micro_batches`, then clip and step.
 
     The loss is normalised by the tokens of the whole accumulation window (`token_count`,
     summed over data-parallel ranks by the caller), not per micro-batch, so accumulation
-    matches one big batch. Data-parallel gradient averaging divides by the world size, so the
-    caller passes grad_scale=world to keep the gradient of sum(token losses) / global tokens.
+    matches one big batch. `update` holds the optimizer, scheduler and GradScaler (an `Update`
+    or the run's TrainState).
 
-    `decide(loss, grad_norm, loss_scale)` (the stability guard) runs after the gradients are
-    complete and before anything changes: False skips the update, so neither the weights, the
-    optimizer state nor the LR scheduler move. With a GradScaler, a step the scaler skipped for
-    inf gradients does not advance the scheduler either. `inject` is fault injection for tests:
-    "nan-loss", "spike" (loss x 10), "nan-grad" (one gradient element).
+    `hooks.decide` runs after the gradients are complete and before anything changes: False skips
+    the update, so neither the weights, the optimizer state nor the LR scheduler move. With a
+    GradScaler, a step the scaler skipped for inf gradients does not advance the scheduler either.
     """
     tokens = token_count if token_count is not None else sum(target_tokens(mb) for mb in micro_batches)
+    total = _accumulate(model, micro_batches, settings, update.scaler, tokens, hooks)
+    hooks.on_phase("optimizer")
+    params = [p for p in model.parameters() if p.grad is not None]
+    if "nan-grad" in hooks.inject:  # on this rank's first non-empty gradient (FSDP shards can be empty)
+        target = next((g for g in (to_local(p.grad) for p in params) if g.numel()), None)
+        if target is not None:
+            target.view(-1)[0] = float("nan")
+    if update.scaler is not None:
+        update.scaler.unscale_(update.optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm or float("inf"))
+    applied = _apply(update, hooks.decide, total, norm)
+    update.optimizer.zero_grad(set_to_none=True)
+    hooks.on_phase("end")
+    return StepResult(loss=total, grad_norm=norm, tokens=tokens, applied=applied)
+
+
+def _accumulate(model, micro_batches, settings: StepSettings, scaler, tokens: int, hooks: StepHooks) -> torch.Tensor:
+    """Forward and backward over the accumulation window; returns the window's summed loss."""
     total = None
     for mb in micro_batches:
-        on_phase("forward")
-        with autocast(prec, device_type):
+        hooks.on_phase("forward")
+        with autocast(settings.prec, settings.device_type):
             loss = causal_lm_loss(model, mb, tokens)
-        if "nan-loss" in inject:
+        if "nan-loss" in hooks.inject:
             loss = loss * float("nan")
-        elif "spike" in inject:
+        elif "spike" in hooks.inject:
             loss = loss * 10.0
-        on_phase("backward")
-        scaled = loss * grad_scale if grad_scale != 1.0 else loss
+        hooks.on_phase("backward")
+        scaled = loss * settings.grad_scale if settings.grad_scale != 1.0 else loss
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
         total = loss.detach() if total is None else total + loss.detach()
         del loss
-    on_phase("optimizer")
-    params = [p for p in model.parameters() if p.grad is not None]
-    if "nan-grad" in inject:  # on this rank's first non-empty gradient (FSDP shards can be empty)
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in params)]
-        target = next((g for g in local if g.numel()), None)
-        if target is not None:
-            target.view(-1)[0] = float("nan")
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
+    return total
+
+
+def _apply(update, decide, loss: torch.Tensor, norm: torch.Tensor) -> bool:
+    """The guard's decision, then the optimizer (through the GradScaler) and the scheduler."""
+    scaler = update.scaler
     scale = scaler.get_scale() if scaler is not None else None
-    applied = decide is None or decide(total, norm, scale)
+    applied = decide is None or decide(loss, norm, scale)
     if not applied:
         if scaler is not None:
             scaler.update()  # the scaler still learns from this step's inf check
     elif scaler is not None:
-        scaler.step(optimizer)
+        scaler.step(update.optimizer)
         scaler.update()
         applied = scaler.get_scale() >= scale  # a lowered scale means the scaler skipped the step
     else:
-        optimizer.step()
-    if applied and scheduler is not None:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    on_phase("end")
-    return StepResult(loss=total, grad_norm=norm, tokens=tokens, applied=applied)
+        update.optimizer.step()
+    if applied and update.scheduler is not None:
+        update.scheduler.step()
+    return applied
 
 
 def eval_forward(

@@ -22,6 +22,16 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
+def format_gib(n: float | None, digits: int = 2, *, unit: bool = True) -> str:
+    """Bytes as GiB with a fixed number of decimals ('-' for an unknown size; never '-0.00')."""
+    if n is None:
+        return "-"
+    text = f"{n / GiB:.{digits}f}"
+    if text.startswith("-") and float(text) == 0:
+        text = text[1:]
+    return f"{text} GiB" if unit else text
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeviceSpec:
     name: str

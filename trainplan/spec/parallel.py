@@ -33,9 +33,59 @@ class ParallelDims:
         start = stage * base + min(stage, extra)
         return range(start, start + base + (1 if stage < extra else 0))
 
+    # What each strategy does, by name. "single" (dp = 1) does none of it.
+
     @property
     def shards_params(self) -> bool:
+        """zero3 and fsdp-grad-op: FSDP2 (fully_shard) keeps a dim-0 shard of every parameter per rank
+        and all-gathers a unit, in the compute dtype, to use it. ddp, zero1 and zero2 replicate them."""
         return self.strategy in ("zero3", "fsdp-grad-op")
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """zero3 only: FSDP2's reshard_after_forward=True frees a unit's gathered parameters after its
+        forward and gathers them again for backward. fsdp-grad-op (ZeRO-2-like SHARD_GRAD_OP) keeps
+        every unit gathered from forward through backward; the replicating strategies never gather."""
+        return self.strategy == "zero3"
+
+    @property
+    def shards_grads(self) -> bool:
+        """zero2, zero3 and fsdp-grad-op: gradients are reduce-scattered and each rank keeps 1/dp of
+        them. ddp and zero1 all-reduce (DDP), so every rank holds the whole gradient."""
+        return self.strategy in ("zero2", "zero3", "fsdp-grad-op")
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """Every ZeRO stage (zero1, zero2, zero3, fsdp-grad-op): a rank keeps the optimizer states of
+        its own part of the parameters only. zero1 splits by whole tensors (see
+        partitions_optimizer_by_tensor), the others 1/dp of every tensor. ddp keeps all of them."""
+        return self.strategy in ("zero1", "zero2", "zero3", "fsdp-grad-op")
+
+    @property
+    def partitions_optimizer_by_tensor(self) -> bool:
+        """zero1 only: torch's ZeroRedundancyOptimizer (the engine's ZeRO-1) gives each rank whole
+        tensors, largest first to the least-loaded rank, so the shares are uneven and each
+        data-parallel rank has its own bill. zero2, zero3 and fsdp-grad-op split every tensor evenly."""
+        return self.strategy == "zero1"
+
+    @property
+    def keeps_grad_buckets(self) -> bool:
+        """ddp and zero1 (ZeroRedundancyOptimizer over a DDP-wrapped model): DDP's gradient buckets
+        (gradient_as_bucket_view) are allocated once and hold the whole gradient between steps."""
+        return self.strategy in ("ddp", "zero1")
+
+    @property
+    def keeps_grad_partition(self) -> bool:
+        """zero2 only: DeepSpeed's ZeRO-2 (replicated parameters) reduces the gradients, a bucket at
+        a time, into this rank's 1/dp partition, which it keeps between steps. FSDP2 (zero3,
+        fsdp-grad-op) keeps its sharded gradients on the parameters, freed by zero_grad."""
+        return self.strategy == "zero2"
+
+    @property
+    def keeps_grads_between_steps(self) -> bool:
+        """ddp, zero1 (DDP buckets) and zero2 (its partition): gradients stay allocated from one step
+        into the next forward. single, zero3 and fsdp-grad-op free them at zero_grad(set_to_none)."""
+        return self.keeps_grad_buckets or self.keeps_grad_partition
 
     def describe(self) -> str:
         parts = [f"world {self.world_size}", f"dp {self.dp} ({self.strategy})"]

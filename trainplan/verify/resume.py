@@ -9,7 +9,6 @@ of the final weights and optimizer state. On the CPU in deterministic mode the m
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +18,10 @@ def run_train(args: list[str], out: Path, *extra: str, nproc: int = 1) -> dict:
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd = [*launcher, "-m", "trainplan", "train", *args, "--set", f"train.output_dir={str(out)!r}", *extra]
     # these are verification runs, not the user's: they stay out of the run registry
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRAINPLAN_REGISTRY": "off"})
+    cmd = [*launcher, "-m", "trainplan", "train", *args, "--registry", "off"]
+    cmd += ["--set", f"train.output_dir={str(out)!r}", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip() and "torch.distributed" not in ln]
         cause = [ln for ln in lines if ln.startswith(("trainplan ", "contract (")) and ":" in ln or "Error:" in ln]

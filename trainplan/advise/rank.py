@@ -3,110 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import json
-from dataclasses import replace
-from pathlib import Path
 
 from trainplan import config as C
-from trainplan.advise.estimate import StepEstimate, calibration_from_records, estimate, records_from_registry
+from trainplan.advise.estimate import StepEstimate, estimate
 from trainplan.advise.search import (
     MAX_DEVICES,
     NAMES,
     Outcome,
-    Request,
     Search,
     base_ledger,
-    layouts,
     peak_fraction,
-    search,
-    what_would_fit,
     why,
 )
-from trainplan.errors import ConfigError, nearest
 from trainplan.plan.ledger import Ledger
 from trainplan.resolve import NotRunnable, require_runnable, resolve
 from trainplan.spec.devices import GiB
-from trainplan.spec.model import load_model_spec
+from trainplan.spec.parallel import ParallelDims
 
 SCHEMA = "trainplan.advise/1"
-MODE_CHOICES = ("auto", "full", "lora", "qlora", "inference")
-PREFERENCES = ("ladder", "speed", "memory", "quality")
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="preset name, HF model dir, config.json or .gguf")
-    p.add_argument("--gpus", default="auto", help="devices, e.g. 8xH100-80GB, 1x24GiB, cpu (default: this machine's)")
-    p.add_argument("--gpu-mem", default=None, help="override every GPU's capacity, e.g. 24GiB")
-    p.add_argument("--seq", type=int, default=512, help="sequence length in tokens (default 512)")
-    p.add_argument(
-        "--global-batch", type=int, default=None, help="sequences per optimizer step (default: one per device)"
-    )
-    p.add_argument(
-        "--mode", default="auto", help="auto (full, then LoRA, then QLoRA) | full | lora | qlora | inference"
-    )
-    p.add_argument("--prefer", default="ladder", help="ranking: ladder (default) | speed | memory | quality")
-    p.add_argument("--margin", type=float, default=0.05, help="fraction of each device's capacity kept free (0.05)")
-    p.add_argument("--top", type=int, default=10, help="entries to show (0: all that fit)")
-    p.add_argument("--format", default="table", help="table | json")
-    p.add_argument("--out", default=None, help="write the chosen configuration as TOML (atomically)")
-    p.add_argument(
-        "--registry",
-        default=None,
-        help="SQLite run registry: calibrate the MFU from measured runs "
-        "(default: $TRAINPLAN_REGISTRY or ~/.cache/trainplan/runs.sqlite when it exists)",
-    )
-    p.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="any other config field, kept in --out"
-    )
-
-
-def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(flag, f"unknown value {value!r}", nearest(value, choices))
-
-
-def request_from_args(args: argparse.Namespace) -> Request:
-    _choice("--mode", args.mode, MODE_CHOICES)
-    _choice("--prefer", args.prefer, PREFERENCES)
-    _choice("--format", args.format, ("table", "json"))
-    if not 0 <= args.margin < 0.9:
-        raise ConfigError("--margin", f"must be in [0, 0.9) (got {args.margin})", "e.g. --margin 0.05 keeps 5% free")
-    if args.top < 0:
-        raise ConfigError("--top", f"must be >= 0 (got {args.top})", "give a count, or 0 for every entry")
-    model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model  # --out runs anywhere
-    settings = {
-        "model.source": model,
-        "hardware.gpus": args.gpus,
-        "batch.seq_len": args.seq,
-        "hardware.safety_margin": args.margin,
-    }
-    if args.gpu_mem:
-        settings["hardware.gpu_mem"] = args.gpu_mem
-    base = C.load(None, args.set, settings)
-    spec = load_model_spec(base.model.source)
-    r = resolve(replace(base, mode="full", batch=C.BatchConfig(seq_len=base.batch.seq_len)), spec)  # refuses bad input
-    world = len(r.devices)
-    g = world if args.global_batch is None else args.global_batch
-    if isinstance(g, bool) or g < 1:
-        raise ConfigError("--global-batch", f"must be an integer >= 1 (got {g})", f"e.g. --global-batch {world}")
-    modes = ("full", "lora", "qlora") if args.mode == "auto" else (args.mode,)
-    if args.registry is None:  # the run registry that train and accept write, when there is one
-        from trainplan import registry
-
-        default = registry.path()
-        args.registry = str(default) if registry.enabled() and default.is_file() else None
-    calibration = calibration_from_records(records_from_registry(args.registry)) if args.registry else {}
-    req = Request(base=base, spec=spec, modes=modes, global_batch=g, calibration=calibration)
-    if not layouts(spec, r.devices, g)[0]:
-        raise ConfigError(
-            "--global-batch",
-            f"{g} is not divisible by the data-parallel degree of any layout of {spec.name} on {world} devices",
-            f"use a multiple of {world}",
-        )
-    return req
-
-
-# ---- ranking ---------------------------------------------------------------------------------
 
 
 def ranked(s: Search, prefer: str) -> list[Outcome]:
@@ -139,7 +53,9 @@ def train_blocker(s: Search, o: Outcome) -> str:
     """What `trainplan train` would refuse in this entry, in a few words ('' if it runs it): the one
     rule `train` applies itself (trainplan/resolve.py `require_runnable`)."""
     cfg = o.rung.config(s.request.base, 1, s.request.global_batch)
-    shards = o.rung.dp > 1 and o.rung.strategy in ("zero3", "fsdp-grad-op")
+    r = o.rung
+    dims = ParallelDims(world_size=r.dp * r.tp * r.pp, dp=r.dp, tp=r.tp, pp=r.pp, strategy=r.strategy)
+    shards = r.dp > 1 and dims.shards_params
     try:
         require_runnable(
             cfg,
@@ -155,7 +71,7 @@ def train_blocker(s: Search, o: Outcome) -> str:
 # ---- output ----------------------------------------------------------------------------------
 
 
-def _devices_text(s: Search) -> str:
+def devices_text(s: Search) -> str:
     names = [d.name for d in s.devices]
     if len(set(names)) == 1:
         return f"{len(names)} x {names[0]}"
@@ -279,64 +195,12 @@ def out_toml(s: Search, o: Outcome, rank: int, prefer: str, path: str) -> str:
     cfg = o.rung.config(s.request.base, m, s.request.global_batch)
     launch = launch_command(len(s.devices), path)
     header = [
-        f"# trainplan advise: {s.request.spec.name} on {_devices_text(s)}, rank {rank} (prefer {prefer})",
+        f"# trainplan advise: {s.request.spec.name} on {devices_text(s)}, rank {rank} (prefer {prefer})",
         f"# {o.rung.short()}; micro-batch {m}, global batch {s.request.global_batch}",
         f"# why: {why(o, s, show_micro=prefer != 'memory')}",
         f"# run: {launch}",
     ]
     return "\n".join(header) + "\n" + C.to_toml(cfg)
-
-
-def run(args: argparse.Namespace) -> int:
-    from trainplan.cli import write_atomic
-
-    req = request_from_args(args)
-    s = search(req)
-    order = ranked(s, args.prefer)
-    top = order if args.top == 0 else order[: args.top]
-    entries = [entry_json(s, o, i + 1, args.prefer) for i, o in enumerate(top)]
-    doc = {
-        "schema": SCHEMA,
-        "model": req.spec.summary(),
-        "devices": _devices_text(s),
-        "request": {
-            "mode": args.mode,
-            "prefer": args.prefer,
-            "seq_len": req.base.batch.seq_len,
-            "global_batch_size": req.global_batch,
-            "margin": args.margin,
-        },
-        "rungs": len(s.outcomes),
-        "fit": len(order),
-        "evaluated": s.evaluated,
-        "seconds": s.seconds,
-        "entries": entries,
-        "estimate_note": mfu_text(s, args.registry),
-        "skipped_layouts": s.skipped_layouts,
-        "nothing_fits": None,
-        "out": None,
-    }
-    notes = []
-    if not order:
-        reason, options, spent = what_would_fit(s)
-        doc["nothing_fits"] = {"reason": reason, "needs": options, "evaluated": spent}
-        if args.out:
-            notes.append(f"nothing fits: {args.out} not written")
-    elif args.out:
-        chosen = next((i for i, o in enumerate(order) if not train_blocker(s, o)), 0)
-        write_atomic(args.out, out_toml(s, order[chosen], chosen + 1, args.prefer, args.out))
-        doc["out"] = {"path": str(Path(args.out)), "rank": chosen + 1}
-        blocker = train_blocker(s, order[0])
-        if chosen:
-            notes.append(f"wrote rank {chosen + 1}: `trainplan train` does not run {blocker} yet")
-        elif blocker:
-            notes.append(f"every entry needs something `trainplan train` does not run yet: {blocker}")
-    doc["notes"] = notes
-    if args.format == "json":
-        print(json.dumps(doc, indent=1))
-    else:
-        print(render_text(s, doc, args))
-    return 0 if order else 1
 
 
 def render_text(s: Search, doc: dict, args: argparse.Namespace) -> str:

@@ -1,6 +1,7 @@
 """The run registry: every `train` and `accept` run, one row each, in a local SQLite database.
 
-Path: `--registry PATH`, else $TRAINPLAN_REGISTRY, else ~/.cache/trainplan/runs.sqlite.
+Path: `--registry PATH`, else ~/.cache/trainplan/runs.sqlite; `--registry off` records nothing.
+The path is passed explicitly, from the command's flag to here; no environment variable carries it.
 `trainplan runs list | show ID | compare A B` reads it; `trainplan advise --registry` calibrates
 its step-time estimate from the measured tokens/s here.
 """
@@ -9,12 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sqlite3
 import time
 from pathlib import Path
 
 from trainplan.errors import TrainplanError
+from trainplan.spec.devices import format_gib
 
 DEFAULT = "~/.cache/trainplan/runs.sqlite"
 COLUMNS = (
@@ -38,8 +39,14 @@ COLUMNS = (
 )
 
 
-def path(explicit: str | None = None) -> Path:
-    return Path(explicit or os.environ.get("TRAINPLAN_REGISTRY") or DEFAULT).expanduser()
+OFF = "off"
+
+
+def path(explicit: str | None = None) -> Path | None:
+    """The registry a command uses: its --registry value, else the default; None for 'off'."""
+    if explicit == OFF:
+        return None
+    return Path(explicit or DEFAULT).expanduser()
 
 
 def _connect(db: Path, *, create: bool) -> sqlite3.Connection:
@@ -87,15 +94,10 @@ def row_from_record(record: dict, *, kind: str, verdict: str, device: str) -> di
     }
 
 
-def enabled() -> bool:
-    return os.environ.get("TRAINPLAN_REGISTRY", "") != "off"
-
-
-def add(row: dict, db: Path | None = None) -> int | None:
-    """Insert a run; None when the registry is switched off (TRAINPLAN_REGISTRY=off)."""
-    if db is None and not enabled():
+def add(row: dict, db: Path | None) -> int | None:
+    """Insert a run; None when the registry is switched off (db None)."""
+    if db is None:
         return None
-    db = db or path()
     with _connect(db, create=True) as con:
         names = [n for n, _ in COLUMNS]
         cur = con.execute(
@@ -105,21 +107,23 @@ def add(row: dict, db: Path | None = None) -> int | None:
         return int(cur.lastrowid)
 
 
-def rows(db: Path | None = None) -> list[dict]:
-    with _connect(db or path(), create=False) as con:
+def _required(db: Path | None) -> Path:
+    if db is None:
+        raise TrainplanError("--registry: 'off' has no runs to read; give the registry's path or leave it out")
+    return db
+
+
+def rows(db: Path | None) -> list[dict]:
+    with _connect(_required(db), create=False) as con:
         return [dict(r) for r in con.execute("SELECT * FROM runs ORDER BY id")]
 
 
-def get(run_id: int, db: Path | None = None) -> dict:
-    with _connect(db or path(), create=False) as con:
+def get(run_id: int, db: Path | None) -> dict:
+    with _connect(_required(db), create=False) as con:
         row = con.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
     if row is None:
-        raise TrainplanError(f"runs: no run {run_id} in {db or path()}; `trainplan runs list` shows the ids")
+        raise TrainplanError(f"runs: no run {run_id} in {db}; `trainplan runs list` shows the ids")
     return dict(row)
-
-
-def _gib(n) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f} GiB"
 
 
 def _fmt(v) -> str:
@@ -141,7 +145,7 @@ def render_list(items: list[dict]) -> str:
                 Path(r["model"]).name or r["model"],
                 r["mode"],
                 r["devices"],
-                _gib(max(peaks) if peaks else None),
+                format_gib(max(peaks) if peaks else None),
                 _fmt(r["metric_before"]),
                 _fmt(r["metric_after"]),
                 _fmt(r["wall_seconds"]),
@@ -155,7 +159,7 @@ def render_list(items: list[dict]) -> str:
 def render_show(r: dict) -> str:
     out = [f"{k:14s} {_fmt(v)}" for k, v in r.items() if k not in ("config_toml", "peaks_json")]
     out.append("peaks:")
-    out += [f"  {dev}: {_gib(b)}" for dev, b in json.loads(r["peaks_json"] or "{}").items()]
+    out += [f"  {dev}: {format_gib(b)}" for dev, b in json.loads(r["peaks_json"] or "{}").items()]
     out += ["config:", *("  " + line for line in (r["config_toml"] or "").splitlines())]
     return "\n".join(out)
 
@@ -168,8 +172,8 @@ def render_compare(a: dict, b: dict) -> str:
     for k in keys:
         va, vb = a.get(k), b.get(k)
         if k == "peaks_json":
-            va = ", ".join(f"{d} {_gib(v)}" for d, v in json.loads(va or "{}").items())
-            vb = ", ".join(f"{d} {_gib(v)}" for d, v in json.loads(vb or "{}").items())
+            va = ", ".join(f"{d} {format_gib(v)}" for d, v in json.loads(va or "{}").items())
+            vb = ", ".join(f"{d} {format_gib(v)}" for d, v in json.loads(vb or "{}").items())
         mark = "*" if va != vb and k not in ("started",) else " "
         lines.append(f"{mark}{k:13s} {_fmt(va):{width}s} {_fmt(vb)}")
     ca, cb = (a["config_toml"] or "").splitlines(), (b["config_toml"] or "").splitlines()

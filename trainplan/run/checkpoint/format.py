@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 from trainplan.errors import ConfigError, TrainplanError
+from trainplan.files import fsync_dir, fsync_file, sha256_file
+from trainplan.run.dist import full_tensor
 
 SCHEMA = "trainplan.checkpoint/1"
 PREFIX = "step-"
@@ -42,31 +44,10 @@ class CheckpointError(TrainplanError):
     """A checkpoint that cannot be used, with the reason."""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint must hold: the trainable ones (full: all; lora: adapters)."""
     names = {n for n, p in model.named_parameters() if p.requires_grad}
-    return {n: _full(t).detach().contiguous().cpu() for n, t in model.state_dict().items() if n in names}
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of an FSDP2 shard (a collective: every rank must call it in order)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return {n: full_tensor(t).detach().contiguous().cpu() for n, t in model.state_dict().items() if n in names}
 
 
 def rng_state() -> dict:
@@ -195,17 +176,16 @@ def _finish(
 ) -> None:
     files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
     for name in files:
-        with open(tmp / name, "rb+") as f:
-            os.fsync(f.fileno())
+        fsync_file(tmp / name)
     for sub in {(tmp / name).parent for name in files}:
-        _fsync_dir(sub)
+        fsync_dir(sub)
     manifest = {
         "schema": SCHEMA,
         "step": step,
         "complete": True,
         "world_size": world,
         "format": fmt,  # safetensors: replicated weights; dcp: per-rank shards, readable at any world size
-        "parts": {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in files},
+        "parts": {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)} for name in files},
         "holds": [
             "trainable weights" + (" (DCP shards)" if fmt == "dcp" else ""),
             "optimizer state" + (" (DCP shards)" if fmt == "dcp" else ""),
@@ -223,11 +203,11 @@ def _finish(
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     _prune(root, keep_last)
 
 
@@ -248,7 +228,7 @@ def validate(path: Path) -> str | None:
             return f"part {name} is missing"
         if part.stat().st_size != meta["bytes"]:
             return f"part {name} is truncated ({part.stat().st_size} of {meta['bytes']} bytes)"
-        if _sha256(part) != meta["sha256"]:
+        if sha256_file(part) != meta["sha256"]:
             return f"part {name} fails its checksum"
     return None
 
@@ -402,5 +382,5 @@ def optimizer_hash(optimizer) -> str:
         for key in sorted(state[pid]):
             value = state[pid][key]
             if isinstance(value, torch.Tensor):
-                items.append((f"{pid}.{key}", _full(value)))
+                items.append((f"{pid}.{key}", full_tensor(value)))
     return tensor_hash(items)

@@ -10,6 +10,8 @@ import html
 import json
 import math
 
+from trainplan.spec.devices import format_gib
+
 GROUP_COLORS = {
     "states": "#4e79a7",
     "gradients": "#f28e2b",
@@ -19,8 +21,8 @@ GROUP_COLORS = {
 LINE_COLORS = ("#4e79a7", "#e15759", "#59a14f", "#b07aa1")
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.3f}".replace("-0.000", "0.000")
+def _gib3(n: float) -> str:
+    return format_gib(n, 3, unit=False)
 
 
 def _pct(x: float) -> str:
@@ -71,17 +73,17 @@ def render_markdown(result: dict) -> str:
         for r in ev["rows"]:
             rel = "-" if r["rel_error"] is None else f"{r['rel_error']:+.2%}"
             lines.append(
-                f"| {r['device']} | {r['phase']} | {r['component']} | {_gib(r['planned'])} | {_gib(r['measured'])} | "
-                f"{_gib(r['abs_error'])} | {rel} | {_pct(r['error_of_peak'])} | {'yes' if r['ok'] else 'NO'} |"
+                f"| {r['device']} | {r['phase']} | {r['component']} | {_gib3(r['planned'])} | {_gib3(r['measured'])} | "
+                f"{_gib3(r['abs_error'])} | {rel} | {_pct(r['error_of_peak'])} | {'yes' if r['ok'] else 'NO'} |"
             )
         lines += ["", "Placement (parameters per device):", ""]
         for rank, place in enumerate(ev["placement"]):
             for dev, p in place.items():
                 lines.append(
-                    f"- rank {rank}: {dev}: {p['parameters']} parameters, {_gib(p['bytes'])} GiB"
+                    f"- rank {rank}: {dev}: {p['parameters']} parameters, {_gib3(p['bytes'])} GiB"
                     + (f", {p['sharded']} sharded (local shard)" if p["sharded"] else "")
                 )
-        lines += [f"- max RSS per rank: {', '.join(_gib(x) + ' GiB' for x in ev['max_rss_bytes'])}", ""]
+        lines += [f"- max RSS per rank: {', '.join(_gib3(x) + ' GiB' for x in ev['max_rss_bytes'])}", ""]
     q = next(c for c in result["checks"] if c["key"] == "quality")["evidence"]
     lines += [
         "## Quality",
@@ -270,8 +272,8 @@ def render_html(result: dict) -> str:
             cls = "" if r["ok"] else " class='bad'"
             parts.append(
                 f"<tr{cls}><td>{_esc(r['device'])}</td><td>{r['phase']}</td><td>{_esc(r['component'])}</td>"
-                f"<td class='num'>{_gib(r['planned'])}</td><td class='num'>{_gib(r['measured'])}</td>"
-                f"<td class='num'>{_gib(r['abs_error'])}</td><td class='num'>{_pct(r['error_of_peak'])}</td></tr>"
+                f"<td class='num'>{_gib3(r['planned'])}</td><td class='num'>{_gib3(r['measured'])}</td>"
+                f"<td class='num'>{_gib3(r['abs_error'])}</td><td class='num'>{_pct(r['error_of_peak'])}</td></tr>"
             )
         parts.append("</table>")
     steps = rec.get("steps", [])

@@ -1,44 +1,20 @@
-"""`trainplan accept`: the acceptance run, one verdict from six recorded checks.
+"""The acceptance checks: pure functions of a run record (and, for memory, the plan).
 
 (a) mode contract  (b) memory, plan vs measured per device  (c) training step: finite, and the
 loss falls when overfitting one fixed batch  (d) quality: the held-out metric before and after,
-with settings and training time  (e) resume: verify-resume at a small scale  (f) instability:
-a scan of the run's loss and grad-norm history.
-
-Each check records its evidence; the verdict is PASS only when every check that applies passed.
-A run that succeeds is not yet a useful result (d), a server's total memory says nothing about
-placement (b, per device, never pooled), and a checkpoint counts only when the code can load it
-and continue (e).
+with settings and training time  (f) instability: a scan of the run's loss and grad-norm history.
+(e) resume runs processes and lives in accept.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from trainplan import config as C
-from trainplan.errors import ConfigError
-
-# The embedded default: LoRA on SmolLM2-135M-Instruct with the Python docs, sized for a 2-core CPU.
-DEFAULT_SETTINGS = [
-    "mode='lora'",
-    "precision='fp32'",
-    "model.source='default'",
-    "lora.r=8",
-    "lora.alpha=16",
-    "lora.dropout=0.05",
-    "lora.target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']",
-    "optim.lr=1e-3",
-    "batch.seq_len=256",
-    "batch.micro_batch_size=4",
-    "train.steps=20",
-    "train.eval_batches=8",
-    "hardware.gpus='auto'",
-]
-TOLERANCE = 0.05  # of the measured peak allocated, per device
+from trainplan.plan.ledger import GROUPS
+from trainplan.run import guard
+from trainplan.spec.devices import format_gib
 
 
 @dataclass
@@ -64,31 +40,11 @@ def check_contract(record: dict) -> Check:
 # ---- (b) memory -----------------------------------------------------------------------------
 
 
-def perturbed(ledger, perturb: dict[str, float] | None):
-    """The plan with components scaled (a test hook: proves the memory check can fail)."""
-    if not perturb:
-        return ledger
-    known = {c for d in ledger.devices for ph in d.phases.values() for c in ph}
-    for comp in perturb:
-        if comp not in known:
-            raise ConfigError("--perturb-plan", f"no component {comp!r} in the plan", f"use one of {sorted(known)}")
-    devices = [
-        dataclasses.replace(
-            d,
-            phases={ph: {c: int(v * perturb.get(c, 1.0)) for c, v in comps.items()} for ph, comps in d.phases.items()},
-        )
-        for d in ledger.devices
-    ]
-    return dataclasses.replace(ledger, devices=devices)
-
-
 def compare_memory(ledger, measured: list[dict], tolerance: float) -> tuple[list[dict], list[dict]]:
     """Rows per device, phase and component group: plan, measured, abs and relative error.
 
     A row fails when |plan - measured| exceeds `tolerance` x that device's measured peak.
     """
-    from trainplan.plan.traced import GROUPS
-
     rows, failures = [], []
     for rank, m in enumerate(measured):
         dev = ledger.devices[rank] if rank < len(ledger.devices) else ledger.devices[0]
@@ -142,10 +98,6 @@ def compare_memory(ledger, measured: list[dict], tolerance: float) -> tuple[list
     return rows, failures
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.3f} GiB"
-
-
 def check_memory(record: dict, ledger, tolerance: float) -> Check:
     mem = record.get("memory")
     if not mem:
@@ -155,8 +107,9 @@ def check_memory(record: dict, ledger, tolerance: float) -> Check:
     peaks = {f"rank {i} ({m['device']})": m["peak_bytes"] for i, m in enumerate(mem["per_rank"])}
     parts = f" [{', '.join(worst['components'])}]" if worst["components"] else ""
     describe = (
-        f"{worst['device']} {worst['phase']} {worst['component']}{parts}: plan {_gib(worst['planned'])} vs measured "
-        f"{_gib(worst['measured'])} ({worst['error_of_peak']:+.1%} of the device's measured peak)"
+        f"{worst['device']} {worst['phase']} {worst['component']}{parts}: "
+        f"plan {format_gib(worst['planned'], 3)} vs measured "
+        f"{format_gib(worst['measured'], 3)} ({worst['error_of_peak']:+.1%} of the device's measured peak)"
     )
     summary = (
         f"{len(failures)} of {len(rows)} rows outside ±{tolerance:.0%}; worst: {describe}"
@@ -271,37 +224,12 @@ def check_quality(record: dict) -> Check:
     return Check("quality", "Quality (held-out)", ok, summary, evidence)
 
 
-# ---- (e) resume -----------------------------------------------------------------------------
-
-
-def check_resume(config_file: Path, workdir: Path, *, steps: int, at: int, nproc: int, mode: str) -> Check:
-    if mode == "inference":
-        return Check("resume", "Resume", None, "inference: no optimizer state or progress to resume", {})
-    from trainplan.verify.resume import verify
-
-    small = ["train.eval_batches=1", "train.eval_every=0", "train.measure_memory=false"]
-    args = [str(config_file), *(x for item in small for x in ("--set", item))]
-    try:
-        result = verify(args, steps=steps, at=at, workdir=workdir, nproc=nproc)
-    except RuntimeError as e:
-        return Check("resume", "Resume", False, str(e), {})
-    failed = [k for k, ok in result["checks"].items() if not ok]
-    summary = f"N={steps} uninterrupted vs stop at k={at} + resume in a fresh process: " + (
-        "bitwise equal (loss, grad norm, LR, next batch, weights and optimizer hashes)"
-        if not failed
-        else f"differs in {', '.join(failed)}; largest deviation {result['max_deviation']}"
-    )
-    return Check("resume", "Resume", result["passed"], summary, result)
-
-
 # ---- (f) instability ------------------------------------------------------------------------
 
 
 def check_instability(record: dict) -> Check:
     """Fails on a non-finite loss or grad norm, or a loss spike. A grad-norm spike that gradient
     clipping bounded, with no loss spike after it, is recorded as a warning: the update was clipped."""
-    from trainplan.run import guard
-
     if record["config"]["mode"] == "inference":
         return Check("instability", "Instability scan", None, "inference: no training history", {})
     min_history = min(10, guard.WINDOW // 2)
@@ -333,88 +261,3 @@ def check_instability(record: dict) -> Check:
         )
     evidence = {**scan, "warnings": warnings, "guard_events": acted}
     return Check("instability", "Instability scan", not failing, summary, evidence)
-
-
-def _device_name(device: str) -> str:
-    if not device.startswith("cuda"):
-        return "cpu"
-    import torch
-
-    return torch.cuda.get_device_name(torch.device(device))
-
-
-# ---- the run --------------------------------------------------------------------------------
-
-
-def accept(
-    cfg: C.RunConfig,
-    *,
-    out_dir: Path,
-    tolerance: float = TOLERANCE,
-    perturb: dict[str, float] | None = None,
-    resume_steps: int = 4,
-    resume_at: int = 2,
-    overfit_steps: int = 6,
-    nproc: int = 1,
-) -> dict:
-    """Run the checks in order; returns the result (also the input of the report)."""
-    from trainplan.plan import analytic
-    from trainplan.run import loop
-    from trainplan.verify.resume import run_train
-
-    t0 = time.perf_counter()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    main_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=str(out_dir / "train")))
-    config_file = out_dir / "config.toml"
-    config_file.write_text(C.to_toml(main_cfg))
-    if nproc > 1:
-        record = run_train([str(config_file)], out_dir / "train", nproc=nproc)
-    else:
-        record = loop.run(main_cfg, quiet=True, register=False)
-        record.pop("_env", None)
-    ledger = perturbed(analytic.plan(C.from_dict(record["config"])), perturb)
-
-    overfit = None
-    if cfg.mode != "inference":
-        fit_cfg = dataclasses.replace(
-            main_cfg,
-            train=dataclasses.replace(
-                main_cfg.train,
-                steps=overfit_steps,
-                overfit_batches=1,
-                eval_batches=1,
-                eval_every=0,
-                stop_after=0,
-                measure_memory=False,
-                output_dir=str(out_dir / "overfit"),
-            ),
-            checkpoint=dataclasses.replace(main_cfg.checkpoint, every=0, resume=""),
-            data=main_cfg.data,
-        )
-        overfit = loop.run(fit_cfg, quiet=True, register=False)
-        overfit.pop("_env", None)
-
-    checks = [
-        check_contract(record),
-        check_memory(record, ledger, tolerance),
-        check_step(record, overfit),
-        check_quality(record),
-        check_resume(config_file, out_dir / "resume", steps=resume_steps, at=resume_at, nproc=nproc, mode=cfg.mode),
-        check_instability(record),
-    ]
-    passed = all(c.passed is not False for c in checks)
-    failing = [c for c in checks if c.passed is False]
-    return {
-        "schema": "trainplan.accept/1",
-        "verdict": "PASS" if passed else "FAIL",
-        "failing": [f"{c.name}: {c.summary}" for c in failing],
-        "checks": [c.to_json() for c in failing + [c for c in checks if c.passed is not False]],
-        "order": [c.key for c in checks],
-        "plan": ledger.to_json(),
-        "perturbed": perturb or {},
-        "record": {k: v for k, v in record.items() if k != "memory"},
-        "memory": record.get("memory"),
-        "device_name": _device_name(record["hardware"]["device"]),
-        "seconds": time.perf_counter() - t0,
-        "out_dir": str(out_dir),
-    }

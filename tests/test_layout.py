@@ -1,0 +1,125 @@
+"""The one-way house: imports run cli -> commands -> verify / advise -> plan -> run -> resolve /
+spec / config, with no circle anywhere. The graph is read from the source (every import statement,
+module level or inside a function), so a lazy import cannot hide an arrow pointing back."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "trainplan"
+
+# What each room may import from trainplan (beyond itself). The foundation (config, errors,
+# files, resolve, spec, _torch_private) is open to everyone and imports only within itself.
+FOUNDATION = {"config", "errors", "files", "resolve", "spec", "_torch_private"}
+ALLOWED = {
+    "cli": {"commands"},
+    "commands": {"verify", "advise", "plan", "run"},
+    "verify": {"plan", "run"},
+    "advise": {"plan"},
+    "plan": {"run"},  # plan/traced traces the engine's own build, step and measure
+    "run": set(),
+}
+FOUNDATION_ORDER = {  # inside the foundation, still one way
+    "errors": set(),
+    "files": set(),
+    "_torch_private": {"errors"},
+    "config": {"errors"},
+    "spec": {"config", "errors"},
+    "resolve": {"config", "errors", "spec"},
+}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: Path) -> set[str]:
+    """Every trainplan module this file imports, at any depth of the file."""
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("trainplan")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trainplan"):
+            for alias in node.names:  # `from trainplan.run import step` imports trainplan.run.step
+                candidate = f"{node.module}.{alias.name}"
+                found.add(candidate if _is_module(candidate) else node.module)
+    return found
+
+
+def _is_module(name: str) -> bool:
+    path = PACKAGE.parent / name.replace(".", "/")
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_name(p): imports(p) - {module_name(p)} for p in PACKAGE.rglob("*.py")}
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "trainplan"
+
+
+def test_every_arrow_runs_one_way():
+    wrong = []
+    for mod, deps in graph().items():
+        src = room(mod)
+        if src in ("trainplan", "__main__"):
+            continue
+        for dep in deps:
+            dst = room(dep)
+            if dst == src or dst == "trainplan":
+                continue
+            allowed = FOUNDATION_ORDER.get(src, FOUNDATION | ALLOWED.get(src, set()))
+            if dst not in allowed:
+                wrong.append(f"{mod} -> {dep}")
+    assert not wrong, "imports against the one-way arrows: " + "; ".join(sorted(wrong))
+
+
+def test_the_engine_imports_neither_planner_nor_verification_nor_commands():
+    engine = {m: deps for m, deps in graph().items() if room(m) == "run"}
+    assert len(engine) >= 15  # the walk found the engine's modules
+    leaks = [
+        f"{m} -> {d}" for m, deps in engine.items() for d in deps if room(d) in ("plan", "verify", "commands", "cli")
+    ]
+    assert not leaks, leaks
+
+
+def test_no_import_circle():
+    g = graph()
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+
+    def visit(node: str, stack: list[str]) -> list[str] | None:
+        state[node] = 1
+        for dep in sorted(g.get(node, ())):
+            if dep not in g:
+                continue
+            if state.get(dep) == 1:
+                return [*stack[stack.index(dep) :], dep] if dep in stack else [node, dep]
+            if dep not in state:
+                cycle = visit(dep, [*stack, dep])
+                if cycle:
+                    return cycle
+        state[node] = 2
+        return None
+
+    for start in sorted(g):
+        if start not in state:
+            cycle = visit(start, [start])
+            assert cycle is None, " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("bad", ["trainplan.cli", "trainplan.plan.analytic", "trainplan.verify.accept"])
+def test_the_walk_would_see_a_backward_import(tmp_path, bad):
+    """The check can fail: an engine module importing backwards is caught."""
+    f = tmp_path / "m.py"
+    f.write_text(f"def later():\n    from {bad.rsplit('.', 1)[0]} import {bad.rsplit('.', 1)[1]}\n")
+    assert imports(f) == {bad}

@@ -1,0 +1,1 @@
+"""One module per subcommand: `add_args(p)` and `run(args) -> int`; cli.py holds the table."""

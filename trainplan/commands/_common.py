@@ -1,0 +1,114 @@
+"""What every subcommand shares: the config flags, one --registry, output, exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trainplan.files import write_atomic
+
+EXIT_BAD_INPUT = 2
+EXIT_GUARD_STOP = 3  # train: the stability guard stopped the run (a checkpoint of the last good state is kept)
+
+
+# Flags shared by every command that takes a RunConfig: (flag, config key, argparse kwargs).
+CONFIG_FLAGS: tuple[tuple[str, str, dict], ...] = (
+    (
+        "--model",
+        "model.source",
+        {"help": "preset name, HF model dir, config.json or .gguf (default: embedded SmolLM2-135M)"},
+    ),
+    ("--mode", "mode", {"help": "full | lora | qlora | inference"}),
+    ("--precision", "precision", {"help": "fp32 | amp-bf16 | amp-fp16 | bf16"}),
+    ("--gpus", "hardware.gpus", {"help": "devices, e.g. 8xH100-80GB, A100-80GB,RTX4090, 2x24GiB, cpu, auto"}),
+    ("--gpu-mem", "hardware.gpu_mem", {"help": "override every GPU's capacity, e.g. 24GiB"}),
+    ("--seq", "batch.seq_len", {"type": int, "help": "sequence length (tokens)"}),
+    ("--micro-batch", "batch.micro_batch_size", {"type": int, "help": "sequences per device per micro-step"}),
+    ("--grad-accum", "batch.grad_accum_steps", {"type": int, "help": "gradient-accumulation steps"}),
+    ("--global-batch", "batch.global_batch_size", {"type": int, "help": "sequences per optimizer step"}),
+    ("--strategy", "parallel.strategy", {"help": "ddp | zero1 | zero2 | zero3 (fsdp) | fsdp-grad-op"}),
+    ("--tp", "parallel.tp", {"type": int, "help": "tensor-parallel degree"}),
+    ("--pp", "parallel.pp", {"type": int, "help": "pipeline-parallel degree (1F1B)"}),
+    ("--optimizer", "optim.name", {"help": "adamw | adamw-8bit | sgd | sgd-momentum | adafactor"}),
+    ("--attention", "memory.attention", {"help": "auto | sdpa | eager"}),
+    ("--lora-r", "lora.r", {"type": int, "help": "LoRA rank"}),
+)
+SWITCHES = (
+    ("--checkpointing", "memory.activation_checkpointing", "activation checkpointing on every layer"),
+    ("--offload-optimizer", "parallel.offload_optimizer", "optimizer states in host memory"),
+)
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="TOML run config (optional; flags and --set override it)")
+    for flag, _, kwargs in CONFIG_FLAGS:
+        p.add_argument(flag, default=None, **kwargs)
+    p.add_argument("--lora-targets", default=None, help="comma-separated LoRA target modules (default q_proj,v_proj)")
+    for flag, _, text in SWITCHES:
+        p.add_argument(flag, action="store_true", default=None, help=text)
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any config field, e.g. --set optim.implementation=fused (repeatable)",
+    )
+
+
+def config_from_args(args: argparse.Namespace):
+    from trainplan import config as C
+
+    return C.load(args.config, args.set, settings_from_args(args))
+
+
+def settings_from_args(args: argparse.Namespace) -> dict:
+    """The config settings that flags (not --set) give, as dotted keys."""
+    settings = {}
+    for flag, key, _ in CONFIG_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            settings[key] = value
+    for flag, key, _ in SWITCHES:
+        if getattr(args, flag.lstrip("-").replace("-", "_")):
+            settings[key] = True
+    if args.lora_targets is not None:
+        settings["lora.target_modules"] = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    return settings
+
+
+def add_registry_arg(p: argparse.ArgumentParser, purpose: str = "where the run is recorded") -> None:
+    """The one --registry flag: train, accept, runs and advise read or write the same SQLite file."""
+    p.add_argument(
+        "--registry",
+        default=None,
+        help=f"run registry (SQLite), {purpose}; default ~/.cache/trainplan/runs.sqlite; 'off' records nothing",
+    )
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="JSON (schema trainplan.plan/1, docs/ledger-schema.md)")
+    fmt.add_argument("--markdown", action="store_true", help="a Markdown table")
+    p.add_argument("--output", "-o", help="write to this file (atomically) instead of stdout")
+
+
+def emit(args: argparse.Namespace, text: str) -> None:
+    if getattr(args, "output", None):
+        write_atomic(args.output, text if text.endswith("\n") else text + "\n")
+    else:
+        print(text)
+
+
+def quiet_libraries() -> None:
+    import warnings
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+
+
+def warn(command: str, text: str) -> None:
+    print(f"trainplan {command}: warning: {text}", file=sys.stderr)

@@ -1,0 +1,95 @@
+"""`trainplan accept`: the acceptance run and its reports."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from trainplan.commands._common import add_config_args, add_registry_arg, quiet_libraries, settings_from_args, warn
+from trainplan.errors import TrainplanError
+from trainplan.files import write_atomic
+
+HELP = (
+    "the acceptance run: mode contract, memory plan vs measured per device, step, quality, resume, "
+    "instability; one verdict and JSON / Markdown / HTML reports"
+)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_config_args(p)
+    p.add_argument("--output-dir", default="runs/accept", help="where the run and the reports go")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        help="memory check: allowed |plan - measured|, as a fraction of each device's measured peak (default 0.05)",
+    )
+    p.add_argument("--resume-steps", type=int, default=4, help="resume check: N uninterrupted steps")
+    p.add_argument("--resume-at", type=int, default=2, help="resume check: stop and checkpoint at k")
+    p.add_argument("--overfit-steps", type=int, default=6, help="step check: steps on one fixed batch")
+    p.add_argument("--nproc", type=int, default=1, help="ranks for the run (torchrun --standalone)")
+    add_registry_arg(p)
+    p.add_argument(
+        "--perturb-plan",
+        action="append",
+        default=[],
+        metavar="COMPONENT=FACTOR",
+        help="test hook: scale one plan component (e.g. activations=0.5) to see the memory check fail",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainplan.config import load
+    from trainplan.verify import accept, registry, report
+
+    quiet_libraries()
+    perturb = {}
+    for item in args.perturb_plan:
+        comp, _, factor = item.partition("=")
+        try:
+            perturb[comp.strip()] = float(factor)
+        except ValueError:
+            raise TrainplanError(f"--perturb-plan: {item!r} is not COMPONENT=FACTOR; e.g. activations=0.5") from None
+        from trainplan.plan.ledger import COMPONENTS
+
+        if comp.strip() not in COMPONENTS:  # checked before any work starts
+            raise TrainplanError(f"--perturb-plan: no plan component {comp.strip()!r}; one of {', '.join(COMPONENTS)}")
+    if not 0 < args.tolerance < 1:
+        raise TrainplanError(f"--tolerance: must be in (0, 1) (got {args.tolerance}); e.g. 0.05")
+    if not 0 < args.resume_at < args.resume_steps:
+        raise TrainplanError(f"--resume-at: must be between 1 and {args.resume_steps - 1}; choose k < N")
+    if args.overfit_steps < 2:
+        raise TrainplanError("--overfit-steps: needs at least 2 steps to see the loss fall; e.g. 6")
+    # the shipped demo config unless one is given; flags and --set override either
+    cfg = load(args.config or accept.DEFAULT_CONFIG, args.set, settings_from_args(args))
+    out = Path(args.output_dir)
+    result = accept.accept(
+        cfg,
+        out_dir=out,
+        tolerance=args.tolerance,
+        perturb=perturb,
+        resume_steps=args.resume_steps,
+        resume_at=args.resume_at,
+        overfit_steps=args.overfit_steps,
+        nproc=args.nproc,
+    )
+    rec = dict(result["record"], memory=result["memory"])
+    try:
+        row = registry.row_from_record(rec, kind="accept", verdict=result["verdict"], device=result["device_name"])
+        result["registry_id"] = registry.add(row, registry.path(args.registry))
+    except Exception as e:  # the acceptance ran; a registry that cannot be written is a warning
+        warn("accept", f"run not registered ({type(e).__name__}: {e})")
+    write_atomic(out / "accept.json", json.dumps(result, indent=1, default=str))
+    write_atomic(out / "accept.md", report.render_markdown(result))
+    write_atomic(out / "accept.html", report.render_html(result))
+    by_key = {c["key"]: c for c in result["checks"]}
+    print(f"trainplan accept: {result['verdict']} ({result['seconds']:.0f} s)")
+    for f in result["failing"]:
+        print(f"  FAIL  {f}")
+    for key in result["order"]:
+        c = by_key[key]
+        status = "n/a " if c["passed"] is None else ("ok  " if c["passed"] else "FAIL")
+        print(f"  {status}  {c['name']}: {c['summary']}")
+    print(f"reports: {out / 'accept.json'}, {out / 'accept.md'}, {out / 'accept.html'}")
+    return 0 if result["verdict"] == "PASS" else 1

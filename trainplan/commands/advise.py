@@ -1,0 +1,154 @@
+"""`trainplan advise`: search the memory ladder for configurations that fit every device, ranked."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from trainplan import config as C
+from trainplan.advise.estimate import calibration_from_records, records_from_registry
+from trainplan.advise.rank import (
+    SCHEMA,
+    devices_text,
+    entry_json,
+    mfu_text,
+    out_toml,
+    ranked,
+    render_text,
+    train_blocker,
+)
+from trainplan.advise.search import Request, layouts, search, what_would_fit
+from trainplan.commands._common import add_registry_arg
+from trainplan.errors import ConfigError, nearest
+from trainplan.files import write_atomic
+from trainplan.resolve import resolve
+from trainplan.spec.model import load_model_spec
+
+HELP = "search the memory ladder for configurations that fit every device, ranked, with estimated step time"
+MODE_CHOICES = ("auto", "full", "lora", "qlora", "inference")
+PREFERENCES = ("ladder", "speed", "memory", "quality")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="preset name, HF model dir, config.json or .gguf")
+    p.add_argument("--gpus", default="auto", help="devices, e.g. 8xH100-80GB, 1x24GiB, cpu (default: this machine's)")
+    p.add_argument("--gpu-mem", default=None, help="override every GPU's capacity, e.g. 24GiB")
+    p.add_argument("--seq", type=int, default=512, help="sequence length in tokens (default 512)")
+    p.add_argument(
+        "--global-batch", type=int, default=None, help="sequences per optimizer step (default: one per device)"
+    )
+    p.add_argument(
+        "--mode", default="auto", help="auto (full, then LoRA, then QLoRA) | full | lora | qlora | inference"
+    )
+    p.add_argument("--prefer", default="ladder", help="ranking: ladder (default) | speed | memory | quality")
+    p.add_argument("--margin", type=float, default=0.05, help="fraction of each device's capacity kept free (0.05)")
+    p.add_argument("--top", type=int, default=10, help="entries to show (0: all that fit)")
+    p.add_argument("--format", default="table", help="table | json")
+    p.add_argument("--out", default=None, help="write the chosen configuration as TOML (atomically)")
+    add_registry_arg(p, "whose measured runs calibrate the step-time estimate")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="any other config field, kept in --out"
+    )
+
+
+def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(flag, f"unknown value {value!r}", nearest(value, choices))
+
+
+def request_from_args(args: argparse.Namespace) -> Request:
+    _choice("--mode", args.mode, MODE_CHOICES)
+    _choice("--prefer", args.prefer, PREFERENCES)
+    _choice("--format", args.format, ("table", "json"))
+    if not 0 <= args.margin < 0.9:
+        raise ConfigError("--margin", f"must be in [0, 0.9) (got {args.margin})", "e.g. --margin 0.05 keeps 5% free")
+    if args.top < 0:
+        raise ConfigError("--top", f"must be >= 0 (got {args.top})", "give a count, or 0 for every entry")
+    model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model  # --out runs anywhere
+    settings = {
+        "model.source": model,
+        "hardware.gpus": args.gpus,
+        "batch.seq_len": args.seq,
+        "hardware.safety_margin": args.margin,
+    }
+    if args.gpu_mem:
+        settings["hardware.gpu_mem"] = args.gpu_mem
+    base = C.load(None, args.set, settings)
+    spec = load_model_spec(base.model.source)
+    r = resolve(replace(base, mode="full", batch=C.BatchConfig(seq_len=base.batch.seq_len)), spec)  # refuses bad input
+    world = len(r.devices)
+    g = world if args.global_batch is None else args.global_batch
+    if isinstance(g, bool) or g < 1:
+        raise ConfigError("--global-batch", f"must be an integer >= 1 (got {g})", f"e.g. --global-batch {world}")
+    modes = ("full", "lora", "qlora") if args.mode == "auto" else (args.mode,)
+    if args.registry is None:  # the run registry that train and accept write, when there is one
+        from trainplan.verify import registry
+
+        default = registry.path()
+        args.registry = str(default) if default.is_file() else None
+    elif args.registry == "off":
+        args.registry = None
+    calibration = calibration_from_records(records_from_registry(args.registry)) if args.registry else {}
+    req = Request(base=base, spec=spec, modes=modes, global_batch=g, calibration=calibration)
+    if not layouts(spec, r.devices, g)[0]:
+        raise ConfigError(
+            "--global-batch",
+            f"{g} is not divisible by the data-parallel degree of any layout of {spec.name} on {world} devices",
+            f"use a multiple of {world}",
+        )
+    return req
+
+
+# ---- ranking ---------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    req = request_from_args(args)
+    s = search(req)
+    order = ranked(s, args.prefer)
+    top = order if args.top == 0 else order[: args.top]
+    entries = [entry_json(s, o, i + 1, args.prefer) for i, o in enumerate(top)]
+    doc = {
+        "schema": SCHEMA,
+        "model": req.spec.summary(),
+        "devices": devices_text(s),
+        "request": {
+            "mode": args.mode,
+            "prefer": args.prefer,
+            "seq_len": req.base.batch.seq_len,
+            "global_batch_size": req.global_batch,
+            "margin": args.margin,
+        },
+        "rungs": len(s.outcomes),
+        "fit": len(order),
+        "evaluated": s.evaluated,
+        "seconds": s.seconds,
+        "entries": entries,
+        "estimate_note": mfu_text(s, args.registry),
+        "skipped_layouts": s.skipped_layouts,
+        "nothing_fits": None,
+        "out": None,
+    }
+    notes = []
+    if not order:
+        reason, options, spent = what_would_fit(s)
+        doc["nothing_fits"] = {"reason": reason, "needs": options, "evaluated": spent}
+        if args.out:
+            notes.append(f"nothing fits: {args.out} not written")
+    elif args.out:
+        chosen = next((i for i, o in enumerate(order) if not train_blocker(s, o)), 0)
+        write_atomic(args.out, out_toml(s, order[chosen], chosen + 1, args.prefer, args.out))
+        doc["out"] = {"path": str(Path(args.out)), "rank": chosen + 1}
+        blocker = train_blocker(s, order[0])
+        if chosen:
+            notes.append(f"wrote rank {chosen + 1}: `trainplan train` does not run {blocker} yet")
+        elif blocker:
+            notes.append(f"every entry needs something `trainplan train` does not run yet: {blocker}")
+    doc["notes"] = notes
+    if args.format == "json":
+        print(json.dumps(doc, indent=1))
+    else:
+        print(render_text(s, doc, args))
+    return 0 if order else 1

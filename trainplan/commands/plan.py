@@ -1,0 +1,29 @@
+"""`trainplan plan`: the analytic per-device ledger. Imports no torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from trainplan.commands._common import add_config_args, add_output_args, config_from_args, emit
+
+HELP = "per-device memory ledger: will it fit, on each device, and why (exit 0 fits, 1 not, 2 bad input)"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_config_args(p)
+    add_output_args(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainplan.plan.analytic import plan
+    from trainplan.plan.ledger import render_markdown, render_table
+
+    ledger = plan(config_from_args(args))
+    if args.json:
+        emit(args, json.dumps(ledger.to_json(), indent=1))
+    elif args.markdown:
+        emit(args, render_markdown(ledger))
+    else:
+        emit(args, render_table(ledger))
+    return ledger.exit_code

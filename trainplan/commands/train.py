@@ -1,0 +1,89 @@
+"""`trainplan train`: run the job for real, in one process or on every rank under torchrun.
+
+The loop returns the run record; this command writes it and adds it to the run registry."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from trainplan.commands._common import (
+    EXIT_GUARD_STOP,
+    add_config_args,
+    add_registry_arg,
+    config_from_args,
+    quiet_libraries,
+    warn,
+)
+
+HELP = "run the job for real: full, lora, qlora (CUDA) or inference; single process or under torchrun"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_config_args(p)
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
+    p.add_argument("--data", default=None, help='training text: "default" (Python docs), .txt, dir of .txt, .jsonl')
+    p.add_argument("--output-dir", default=None, help="where record.json goes (train.output_dir)")
+    add_registry_arg(p)
+
+
+def summary(record: dict) -> list[str]:
+    before, after = record["eval_before"], record["eval_after"]
+    contract = record["contract"]
+    lines = [
+        f"held-out loss {before['loss']:.4f} -> {after['loss']:.4f}, perplexity {before['perplexity']:.2f} -> "
+        f"{after['perplexity']:.2f}, token accuracy {before['token_accuracy']:.3f} -> "
+        f"{after['token_accuracy']:.3f}; {len(record['steps'])} steps in {record.get('train_seconds', 0):.1f} s "
+        f"(wall {record['wall_seconds']:.1f} s)",
+        f"contract ({contract['mode']}): {'PASS' if contract['passed'] else 'FAIL'} - {contract['detail']}",
+        f"record: {Path(record['config']['train']['output_dir']) / 'record.json'}",
+    ]
+    if record.get("stopped"):
+        ev = record["stopped"]
+        lines.append(
+            f"stopped by the stability guard at step {ev['step']}: {ev['key']} {ev['kind']} ({ev['value']:.4g})"
+        )
+    return lines
+
+
+def register(record: dict, registry_arg: str | None, device: str) -> None:
+    """Add the run to the registry; a registry that cannot be written is a warning, not a failure."""
+    from trainplan.verify import registry
+
+    db = registry.path(registry_arg)
+    if db is None:
+        return
+    verdict = "PASS" if record["contract"]["passed"] else "FAIL"
+    try:
+        record["registry_id"] = registry.add(
+            registry.row_from_record(record, kind="train", verdict=verdict, device=device), db
+        )
+    except Exception as e:  # the run itself succeeded
+        warn("train", f"run not registered ({type(e).__name__}: {e})")
+
+
+def execute(cfg, registry_arg: str | None = None, *, quiet: bool = False):
+    """Run cfg, register the run and write its record (on the main rank); (record, env)."""
+    from trainplan.run import loop, record
+
+    rec, env = loop.run(cfg, quiet=quiet)
+    if env.is_main:
+        register(rec, registry_arg, record.device_name(env))
+        record.write(rec, Path(rec["config"]["train"]["output_dir"]))
+    return rec, env
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainplan.config import toml_literal
+    from trainplan.run import dist
+
+    quiet_libraries()
+    for flag, key in (("steps", "train.steps"), ("data", "data.source"), ("output_dir", "train.output_dir")):
+        if getattr(args, flag) is not None:
+            args.set.insert(0, f"{key}={toml_literal(getattr(args, flag))}")
+    rec, env = execute(config_from_args(args), args.registry)
+    if env.is_main:
+        print("\n".join(summary(rec)))
+    if rec.get("stopped"):
+        return dist.finish(env, EXIT_GUARD_STOP)
+    return dist.finish(env, 0 if rec["contract"]["passed"] else 1)

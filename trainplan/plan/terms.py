@@ -1,0 +1,773 @@
+"""The terms of one rank's analytic bill, assembled by trainplan/plan/analytic.py. Imports no torch.
+
+`rank_context` computes, once per rank, everything the terms share (the tensors the rank holds,
+dtypes, sharding degrees, the activation context); each component group is then one function of
+that frozen context returning bytes and the line that explains them, as torchtitan splits its
+per-rank setup from the parts built on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from trainplan import config as C
+from trainplan.plan import activations as A
+from trainplan.plan.ledger import gib
+from trainplan.resolve import Resolved
+from trainplan.spec.devices import DeviceSpec, MiB
+from trainplan.spec.model import ModelSpec, ParamTensor
+from trainplan.spec.parallel import ParallelDims, ResolvedBatch
+from trainplan.spec.precision import Precision
+
+ROWWISE = frozenset({"o_proj", "down_proj", "c_proj"})  # TP shards their input dim
+NF4_BYTES = 0.5
+# bitsandbytes NF4 with double quantization: one 8-bit absmax per 64 weights, plus one fp32
+# constant per 256 absmax blocks (Dettmers et al. 2023, QLoRA, Sec. 3).
+NF4_CONSTANTS_BYTES = 1 / 64 + 4 / (64 * 256)
+ZERO2_BUCKET_BYTES = 25 * MiB  # torch DDP's default bucket_cap_mb
+BNB_8BIT_MIN_NUMEL = 4096  # bitsandbytes keeps 32-bit states for smaller tensors (min_8bit_size)
+BNB_BLOCK = 256  # blockwise quantization of optimizer states, one fp32 absmax per block
+
+
+# ---- per-rank tensors ----------------------------------------------------------------------
+
+
+def _held(spec: ModelSpec, dims: ParallelDims, stage: int) -> list[ParamTensor]:
+    """Parameter tensors a pipeline stage holds. A tied embedding lives on both end stages."""
+    layers = dims.stage_layers(stage, spec.num_layers)
+    first, last = stage == 0, stage == dims.pp - 1
+    held = []
+    for t in spec.tensors:
+        if t.layer is not None:
+            if t.layer in layers:
+                held.append(t)
+        elif t.role in ("embedding", "position"):
+            if first or (t.role == "embedding" and last and spec.tie_word_embeddings):
+                held.append(t)
+        elif last:
+            held.append(t)
+    return held
+
+
+def _tp_numel(t: ParamTensor, tp: int) -> int:
+    if tp == 1 or t.role in ("norm", "router"):
+        return t.numel
+    if t.role == "bias" and t.module in ROWWISE:
+        return t.numel
+    return -(-t.numel // tp)
+
+
+def _shard(numel_dim0: int, rest: int, n: int) -> int:
+    """FSDP2 shards dim 0, padding it to a multiple of the shard count."""
+    return -(-numel_dim0 // n) * rest
+
+
+def _sharded_numel(t: ParamTensor, tp: int, dp: int) -> int:
+    numel = _tp_numel(t, tp)
+    if dp == 1:
+        return numel
+    dim0 = t.shape[0] if t.numel == numel else max(1, t.shape[0] // tp)
+    return _shard(dim0, numel // max(dim0, 1), dp)
+
+
+def _shape_tp(t: ParamTensor, tp: int) -> tuple[int, ...]:
+    numel = _tp_numel(t, tp)
+    if numel == t.numel:
+        return t.shape
+    return (t.shape[0], numel // t.shape[0]) if len(t.shape) > 1 else (numel,)
+
+
+def _lora_shapes(spec: ModelSpec, r: int, targets: frozenset[str], layers: range, tp: int) -> list[tuple[int, ...]]:
+    shapes = []
+    for _ in layers:
+        for lin in spec.layer_linears:
+            if lin.module in targets:
+                rowwise = lin.module in ROWWISE
+                shapes.append((r, lin.in_features // (tp if rowwise else 1)))  # lora_A
+                shapes.append((lin.out_features // (1 if rowwise else tp), r))  # lora_B
+    return shapes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# ---- optimizer -------------------------------------------------------------------------------
+
+
+def zero1_partition(shapes: list[tuple[int, ...]], world: int) -> list[list[tuple[int, ...]]]:
+    """Which tensors' optimizer states each rank holds under torch's ZeroRedundancyOptimizer:
+    largest first, each to the rank with the fewest elements so far (not an even split: one large
+    embedding can put most of the states on one rank)."""
+    parts: list[list[tuple[int, ...]]] = [[] for _ in range(world)]
+    sizes = [0] * world
+    for shape in sorted(shapes, key=_numel, reverse=True):
+        i = sizes.index(min(sizes))
+        parts[i].append(shape)
+        sizes[i] += _numel(shape)
+    return parts
+
+
+def optimizer_state_bytes(name: str, shapes: list[tuple[int, ...]], state_bytes: int, cpu: bool) -> int:
+    """Optimizer state for the trainable tensors `shapes`.
+
+    AdamW: exp_avg + exp_avg_sq in the param dtype (Loshchilov & Hutter 2019; torch.optim.AdamW),
+    plus a `step` scalar per tensor, kept on the CPU (fp32) unless capturable/fused.
+    8-bit AdamW (bitsandbytes): two uint8 states + an fp32 absmax per 256-element block;
+    tensors under 4096 elements keep 32-bit states. SGD with momentum: one buffer.
+    Adafactor (torch.optim.Adafactor): factored second moment, row + column vectors for
+    matrices, a full vector otherwise; no first moment.
+    """
+    steps = 4 * len(shapes) if cpu else 0
+    numel = sum(_numel(s) for s in shapes)
+    if name == "adamw":
+        return 2 * numel * state_bytes + steps
+    if name == "sgd":
+        return 0
+    if name == "sgd-momentum":
+        return numel * state_bytes
+    if name == "adamw-8bit":
+        total = 0
+        for s in shapes:
+            n = _numel(s)
+            total += 2 * n * 4 if n < BNB_8BIT_MIN_NUMEL else 2 * n + 2 * 4 * -(-n // BNB_BLOCK)
+        return total + steps
+    if name == "adafactor":
+        total = 0
+        for s in shapes:
+            if len(s) >= 2:
+                total += (_numel(s[:-1]) + _numel(s[:-2]) * s[-1]) * state_bytes
+            else:
+                total += _numel(s) * state_bytes
+        return total + steps
+    raise AssertionError(name)
+
+
+def optimizer_temp_bytes(name: str, impl: str, shapes: list[tuple[int, ...]], state_bytes: int) -> int:
+    """Temporaries alive inside optimizer.step().
+
+    torch's foreach AdamW (the default on CUDA) computes sqrt(exp_avg_sq) for every tensor at
+    once: one full-size temporary list (torch/optim/adamw.py, `_multi_tensor_adam`). The
+    single-tensor loop (the default on CPU) holds sqrt() and its division for the largest
+    tensor. Fused kernels need none.
+    """
+    if not shapes or name == "sgd" or impl == "fused":
+        return 0
+    if impl == "foreach":
+        return sum(_numel(s) for s in shapes) * state_bytes if name.startswith("adamw") else 0
+    if name not in ("adamw", "adafactor"):
+        return 0
+    # `denom = (exp_avg_sq.sqrt() / c).add_(eps)`: sqrt and quotient of this tensor, while the
+    # previous tensor's denom is still bound to the loop variable.
+    sizes = [_numel(s) * state_bytes for s in shapes]
+    return max(2 * cur + prev for prev, cur in zip([0, *sizes[:-1]], sizes, strict=True))
+
+
+# ---- the per-rank context --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankContext:
+    """What every term of one rank's bill depends on, computed once by `rank_context`."""
+
+    r: Resolved
+    rank: int
+    device: DeviceSpec
+    stage: int  # pipeline stage
+    dp_i: int  # data-parallel index
+    first: bool  # the stage holds the embedding
+    last: bool  # the stage holds the head and computes the loss
+    layers: range  # decoder layers of the stage
+    held: list[ParamTensor]  # parameter tensors of the stage
+    n_held: int  # their elements on this tensor-parallel rank
+    trainable: list[ParamTensor]  # every held tensor under full fine-tuning, none otherwise
+    quantized: list[ParamTensor]  # QLoRA's NF4 linear and expert weights
+    head: ParamTensor | None  # the trainable lm_head (or the embedding tied to it): its gradient comes first
+    full: bool  # full fine-tuning
+    lora: bool  # LoRA or QLoRA adapters
+    lora_targets: frozenset[str]
+    lora_shapes: list[tuple[int, ...]]  # the stage's adapter tensors, tensor-parallel shards
+    opt_shapes: list[tuple[int, ...]]  # trainable shapes whose optimizer states this rank holds
+    fsdp: bool  # the strategy shards parameters (FSDP2)
+    zero1: bool  # the engine's ZeroRedundancyOptimizer partition
+    shard_w: int  # how many ways weights, gradients and optimizer states are split evenly
+    shard_g: int
+    shard_o: int
+    root_numel: int  # FSDP: the root unit (embedding, final norm, head) per tensor-parallel rank
+    unit_numel: int  # FSDP: the largest decoder-layer unit
+    cpu: bool
+    cb: int  # compute dtype bytes
+    autocast: bool
+    residual: int  # residual stream bytes
+    persistent_grads: bool  # gradients live from one micro-batch's backward into the next forward
+    fused: bool  # the fused (chunked) loss runs on this stage
+    in_flight: int  # micro-batches whose activations a pipeline stage holds at once
+    act: A.ActContext
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.r.spec
+
+    @property
+    def cfg(self) -> C.RunConfig:
+        return self.r.cfg
+
+    @property
+    def prec(self) -> Precision:
+        return self.r.precision
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.r.dims
+
+    @property
+    def batch(self) -> ResolvedBatch:
+        return self.r.batch
+
+    @property
+    def tp(self) -> int:
+        return self.r.dims.tp
+
+    @property
+    def tokens(self) -> int:
+        return self.act.tokens
+
+    @property
+    def inter(self) -> int:
+        """MLP intermediate width on this tensor-parallel rank, times the experts a token visits."""
+        return self.spec.intermediate_size // self.tp * (self.spec.experts_per_token or 1)
+
+    def dtype(self, nbytes: int) -> str:
+        return {4: "fp32", 2: self.prec.compute_dtype}[nbytes]
+
+
+def _fsdp_units(held: list[ParamTensor], layers: range, tp: int) -> tuple[int, int]:
+    """FSDP units' elements per tensor-parallel rank: the root unit (embedding, final norm, head)
+    and the largest decoder layer."""
+    per_layer_numel: dict[int, int] = {}  # one pass over the tensors, not one per layer
+    for t in held:
+        if t.layer is not None:
+            per_layer_numel[t.layer] = per_layer_numel.get(t.layer, 0) + _tp_numel(t, tp)
+    unit = max((per_layer_numel.get(i, 0) for i in layers), default=0)
+    root = sum(_tp_numel(t, tp) for t in held if t.layer is None)
+    return root, unit
+
+
+def rank_context(r: Resolved, rank: int) -> RankContext:
+    """Everything one rank's terms share, computed once."""
+    spec, cfg, prec, dims, batch = r.spec, r.cfg, r.precision, r.dims, r.batch
+    device = r.devices[rank]
+    stage, dp_i, _ = dims.coords(rank)
+    first, last = stage == 0, stage == dims.pp - 1
+    layers = dims.stage_layers(stage, spec.num_layers)
+    held = _held(spec, dims, stage)
+    tp, dp = dims.tp, dims.dp
+    full = cfg.mode == "full"
+    lora = cfg.mode in ("lora", "qlora")
+    fsdp = dims.shards_params
+    zero1 = dims.partitions_optimizer_by_tensor and dp > 1
+    cpu = device.kind == "cpu"
+    cb = prec.compute_bytes
+    # FSDP's MixedPrecisionPolicy replaces autocast: params are all-gathered in the compute
+    # dtype, so the residual stream is 16-bit too. Under plain autocast the residual stream is
+    # fp32 when the embedding's stored weight is (full fine-tuning); a frozen base is stored in
+    # the compute dtype, so LoRA's residual stream is 16-bit.
+    autocast = prec.autocast and not fsdp
+    residual = 4 if (autocast and full) else cb
+    trainable = held if full else []
+    targets = frozenset(cfg.lora.target_modules) if lora else frozenset()
+    lora_shapes = _lora_shapes(spec, cfg.lora.r, targets, layers, tp) if lora else []
+    mine = [_shape_tp(t, tp) for t in trainable] if full else lora_shapes
+    root, unit = _fsdp_units(held, layers, tp) if fsdp else (0, 0)
+    head = next((t for t in trainable if t.role == "lm_head"), None) or (
+        next((t for t in trainable if t.role == "embedding"), None) if spec.tie_word_embeddings else None
+    )
+    return RankContext(
+        r=r,
+        rank=rank,
+        device=device,
+        stage=stage,
+        dp_i=dp_i,
+        first=first,
+        last=last,
+        layers=layers,
+        held=held,
+        n_held=sum(_tp_numel(t, tp) for t in held),
+        trainable=trainable,
+        quantized=[t for t in held if t.role in ("linear", "expert")] if cfg.mode == "qlora" else [],
+        head=head,
+        full=full,
+        lora=lora,
+        lora_targets=targets,
+        lora_shapes=lora_shapes,
+        opt_shapes=zero1_partition(mine, dp)[dp_i] if zero1 else mine,
+        fsdp=fsdp,
+        zero1=zero1,
+        shard_w=dp if fsdp else 1,
+        shard_g=dp if dims.shards_grads else 1,
+        # ZeRO-1 gives whole tensors to ranks (opt_shapes) rather than splitting each one
+        shard_o=dp if dims.shards_optimizer and not zero1 else 1,
+        root_numel=root,
+        unit_numel=unit,
+        cpu=cpu,
+        cb=cb,
+        autocast=autocast,
+        residual=residual,
+        persistent_grads=dims.keeps_grads_between_steps or batch.grad_accum_steps > 1,
+        fused=r.fused_loss and last,
+        in_flight=min(dims.pp - stage, batch.grad_accum_steps) if dims.pp > 1 else 1,
+        act=_act_context(r, full=full, fsdp=fsdp, autocast=autocast, residual=residual, targets=targets, cpu=cpu),
+    )
+
+
+def _act_context(
+    r: Resolved, *, full: bool, fsdp: bool, autocast: bool, residual: int, targets: frozenset[str], cpu: bool
+) -> A.ActContext:
+    """What plan/activations.py needs to list the tensors a layer saves for backward."""
+    spec, cfg, batch, cb = r.spec, r.cfg, r.batch, r.precision.compute_bytes
+    return A.ActContext(
+        batch=batch.micro_batch_size,
+        seq=batch.seq_len,
+        compute_bytes=cb,
+        residual_bytes=residual,
+        autocast=autocast,
+        trainable_linears=frozenset(lin.module for lin in spec.layer_linears) if full else frozenset(),
+        norms_trainable=full,
+        lora_targets=targets,
+        lora_r=cfg.lora.r,
+        lora_dropout=cfg.lora.dropout,
+        adapter_bytes=cb if fsdp else 4,  # FSDP2 gathers the adapters in its param dtype too
+        attention=r.attention,
+        cpu=cpu,
+        dropout_active=r.training,
+        tp=r.dims.tp,
+    )
+
+
+# ---- component groups ------------------------------------------------------------------------
+
+
+class Term(NamedTuple):
+    nbytes: int
+    note: str | None = None  # the ledger's explanation, when the term has one
+
+
+def weights(ctx: RankContext) -> Term:
+    """Parameters as stored: trainable ones in the param dtype, a frozen base in its storage dtype,
+    QLoRA's linear layers in NF4 with their quantization constants."""
+    prec, tp, shard_w = ctx.prec, ctx.tp, ctx.shard_w
+    w_train = sum(_sharded_numel(t, tp, shard_w) for t in ctx.trainable) * prec.param_bytes
+    w_quant = int(sum(_sharded_numel(t, tp, shard_w) for t in ctx.quantized) * (NF4_BYTES + NF4_CONSTANTS_BYTES))
+    frozen = [] if ctx.full else ctx.held
+    not_quantized = [t for t in frozen if t.role not in ("linear", "expert")] if ctx.quantized else frozen
+    w_frozen = sum(_sharded_numel(t, tp, shard_w) for t in not_quantized) * prec.frozen_bytes
+    if ctx.full:
+        note = (
+            f"{ctx.n_held / 1e6:,.1f}M params x {prec.param_bytes} B "
+            f"({ctx.dtype(prec.param_bytes)}{' master' if prec.autocast else ''})"
+            + (f" / {shard_w} shards" if shard_w > 1 else "")
+        )
+    else:
+        note = (
+            f"{ctx.n_held / 1e6:,.1f}M frozen base params in {ctx.dtype(prec.frozen_bytes)}"
+            + (f", linear layers in NF4 ({NF4_BYTES + NF4_CONSTANTS_BYTES:.3f} B/param)" if ctx.quantized else "")
+            + " — frozen, but still in the bill"
+        )
+    return Term(w_train + w_frozen + w_quant, note)
+
+
+def _autocast_cast(ctx: RankContext) -> list[ParamTensor]:
+    """The trainable tensors autocast casts. Only matmul weights are: embedding lookups and norm
+    multiplies run in fp32."""
+    return [
+        t
+        for t in ctx.trainable
+        if t.role in ("linear", "bias", "router", "expert")
+        or (t.role == "lm_head" and not ctx.r.fused_loss)  # the fused loss casts the head per call
+        or (t.role == "embedding" and ctx.spec.tie_word_embeddings and ctx.last and not ctx.r.fused_loss)
+    ]
+
+
+def weight_copies(ctx: RankContext) -> Term:
+    """Weights held in a second dtype from forward until backward ends (the same in both)."""
+    cb, dtype = ctx.cb, ctx.prec.compute_dtype
+    if ctx.fsdp:
+        if ctx.dims.reshard_after_forward:
+            # The root unit (embedding, final norm, head) stays gathered from the first layer to the
+            # loss; each decoder layer is gathered for its own forward and backward.
+            return Term(
+                (ctx.root_numel + ctx.unit_numel) * cb,
+                f"FSDP keeps the root unit ({ctx.root_numel / 1e6:,.1f}M params) and one decoder layer "
+                f"({ctx.unit_numel / 1e6:,.1f}M) all-gathered in {dtype}",
+            )
+        return Term(
+            ctx.n_held * cb,
+            f"shard-grad-op keeps every unit unsharded from forward through backward: {ctx.n_held / 1e6:,.1f}M "
+            f"params in {dtype}",
+        )
+    if ctx.autocast and ctx.full:
+        return Term(
+            sum(_tp_numel(t, ctx.tp) for t in _autocast_cast(ctx)) * cb,
+            f"autocast caches a {dtype} copy of every trainable matmul weight from forward until backward ends",
+        )
+    if ctx.quantized:
+        big = max(_tp_numel(t, ctx.tp) for t in ctx.quantized)
+        return Term(big * cb, f"the largest NF4 weight dequantized to {dtype} during its matmul")
+    return Term(0)
+
+
+class AdapterTerm(NamedTuple):
+    """LoRA adapters (fp32): weights, gradients, optimizer states and autocast's copy."""
+
+    weights: int
+    grads: int
+    states: int
+    copy: int
+    note: str | None
+
+    @property
+    def live(self) -> int:
+        """What the adapters hold outside backward's gradients."""
+        return self.weights + self.states + self.copy
+
+
+def adapter(ctx: RankContext) -> AdapterTerm:
+    n_adapter = sum(_numel(s) for s in ctx.lora_shapes)
+    states = optimizer_state_bytes(ctx.cfg.optim.name, ctx.opt_shapes, 4, ctx.cpu) // ctx.shard_o if ctx.lora else 0
+    note = None
+    if ctx.lora:
+        note = (
+            f"LoRA r={ctx.cfg.lora.r} on {', '.join(sorted(ctx.lora_targets))}: {n_adapter / 1e6:,.2f}M "
+            "fp32 params, with their gradients and optimizer states"
+        )
+    return AdapterTerm(
+        weights=-(-n_adapter // ctx.shard_w) * 4,
+        grads=-(-n_adapter // ctx.shard_g) * 4,
+        states=states,
+        copy=n_adapter * ctx.cb if ctx.prec.autocast else 0,
+        note=note,
+    )
+
+
+class GradTerm(NamedTuple):
+    nbytes: int  # every trainable gradient of the rank (sharded where the strategy shards them)
+    live_fwd: int  # what of them persists into forward
+    head: int  # the head's, formed first in backward
+    first_layer: int  # the first layer's (and an untied embedding's), formed last
+    note: str | None
+
+
+def gradients(ctx: RankContext) -> GradTerm:
+    tp, shard_g, grad_bytes = ctx.tp, ctx.shard_g, ctx.prec.grad_bytes
+    grads = sum(_sharded_numel(t, tp, shard_g) for t in ctx.trainable) * grad_bytes
+    head = (_sharded_numel(ctx.head, tp, shard_g) * grad_bytes) if (ctx.head and ctx.last) else 0
+    first_layer = 0
+    if ctx.full and ctx.layers:
+        # the embedding's gradient comes last, unless it is tied to lm_head, whose comes first
+        in_first = [t for t in ctx.trainable if t.layer == ctx.layers[0]] + [
+            t for t in ctx.trainable if t.role == "embedding" and not ctx.spec.tie_word_embeddings
+        ]
+        first_layer = sum(_sharded_numel(t, tp, shard_g) for t in in_first) * grad_bytes
+    note = None
+    if ctx.full:
+        note = f"{grad_bytes} B per trainable param" + (f" / {shard_g} shards" if shard_g > 1 else "")
+        if ctx.persistent_grads:
+            why = (
+                "DDP keeps gradients in its buckets between steps"
+                if ctx.dims.keeps_grad_buckets
+                else "ZeRO-2 keeps its gradient partition"
+                if ctx.dims.keeps_grad_partition
+                else "gradient accumulation keeps gradients across micro-batches"
+            )
+            note += f"; live in forward too: {why}"
+    live_fwd = grads if (ctx.persistent_grads and ctx.full) else 0
+    return GradTerm(nbytes=grads, live_fwd=live_fwd, head=head, first_layer=first_layer, note=note)
+
+
+class OptTerm(NamedTuple):
+    states: int
+    temp: int  # temporaries inside optimizer.step()
+    note: str | None
+    temp_note: str
+
+
+def optimizer(ctx: RankContext) -> OptTerm:
+    """The base weights' optimizer states (full fine-tuning; the adapters' are in `adapter`) and
+    the step's temporaries (the adapters' under LoRA)."""
+    name, prec, shard_o = ctx.cfg.optim.name, ctx.prec, ctx.shard_o
+    shapes = ctx.opt_shapes
+    states = optimizer_state_bytes(name, shapes, prec.state_bytes, ctx.cpu) // shard_o if ctx.full else 0
+    impl = ctx.cfg.optim.implementation
+    if impl == "auto":
+        impl = "for-loop" if ctx.cpu else "foreach"
+    temp = optimizer_temp_bytes(name, impl, shapes, prec.state_bytes if ctx.full else 4) // shard_o
+    note = None
+    if ctx.full:
+        note = f"{name} states in {ctx.dtype(prec.state_bytes)}" + (f" / {shard_o} shards" if shard_o > 1 else "")
+        if ctx.zero1:
+            mine = sum(_numel(t) for t in shapes)
+            note += (
+                f" of the {len(shapes)} tensors ({mine / 1e6:,.1f}M params) ZeroRedundancyOptimizer gives "
+                f"rank {ctx.dp_i}: largest first, to the least-loaded rank"
+            )
+    return OptTerm(states=states, temp=temp, note=note, temp_note=f"{impl} {name} step temporaries")
+
+
+class CommTerm(NamedTuple):
+    steady: int  # forward and the start of backward
+    end: int  # once layers have run their backward
+    note: str | None
+
+
+def comm_buffers(ctx: RankContext, grads: int) -> CommTerm:
+    """Pipeline send/recv buffers and the gradient reduction's buffers. `grads`: the rank's gradients."""
+    steady = 0
+    if ctx.dims.pp > 1:
+        steady = 2 * ctx.tokens * ctx.spec.hidden_size * ctx.residual
+    end, note = steady, None
+    if ctx.dims.reshard_after_forward:
+        # the unsharded gradient of a layer before its reduce-scatter: only once layers run backward
+        unit_grads = ctx.unit_numel * ctx.prec.grad_bytes if ctx.full else 0
+        end += unit_grads
+        if unit_grads:
+            note = "the unsharded gradient of one FSDP unit before its reduce-scatter"
+    elif ctx.dims.keeps_grad_partition and ctx.full:  # ZeRO-2 reduces into its partition a bucket at a time
+        end += min(ZERO2_BUCKET_BYTES, grads * ctx.shard_g)
+        note = "one 25 MiB gradient bucket being reduced"
+    return CommTerm(steady=steady, end=end, note=note)
+
+
+def buffers(ctx: RankContext) -> int:
+    return 0 if ctx.spec.model_type == "gpt2" else 2 * (ctx.spec.head_dim // 2) * 4  # rotary inv_freq (+ original)
+
+
+def runtime(ctx: RankContext) -> int:
+    hw = ctx.cfg.hardware
+    return (hw.cpu_runtime_mib if ctx.cpu else hw.cuda_context_mib + hw.cublas_workspace_mib) * MiB
+
+
+class ActTerm(NamedTuple):
+    fwd: int  # saved for backward, at the end of forward
+    bwd: int  # at the start of backward
+    first_layer_bwd: int  # the first layer's backward, at the end of backward
+    per_layer: list[A.SavedTensor]  # one layer's saved tensors
+    saved_layers: int  # every layer's of one micro-batch
+    head_saved: list[A.SavedTensor]
+    layer_in: int  # one layer's input (the residual stream)
+    step_inputs: int
+    note: str
+
+
+def activations(ctx: RankContext) -> ActTerm:
+    spec, act, batch, in_flight = ctx.spec, ctx.act, ctx.batch, ctx.in_flight
+    n_layers = len(ctx.layers)
+    per_layer = A.layer_saved(spec, act)
+    saved_layers = n_layers * A.total(per_layer)
+    if ctx.first and not ctx.full:  # the frozen embedding's output needs no grad: layer 0's first norm saves nothing
+        saved_layers += A.total(A.layer_saved(spec, act, input_requires_grad=False)) - A.total(per_layer)
+    head_saved = A.head_saved(spec, act, lm_head_trainable=ctx.full and not ctx.fused) if ctx.last else []
+    layer_in = ctx.tokens * spec.hidden_size * ctx.residual
+    if ctx.cfg.memory.activation_checkpointing:
+        fwd = in_flight * (n_layers * layer_in + A.total(head_saved))
+        bwd = fwd  # recomputation starts after the loss's backward; see backward_moments
+        note = (
+            f"checkpointing keeps each layer's input ({gib(layer_in)}) x {n_layers} "
+            f"layers x {in_flight} micro-batch(es) in flight, plus one layer recomputed in "
+            f"backward ({gib(A.total(per_layer))})"
+        )
+    else:
+        fwd = in_flight * (saved_layers + A.total(head_saved))
+        bwd = fwd
+        top = max(per_layer, key=lambda s: s.nbytes)
+        note = (
+            f"{n_layers} layers x {gib(A.total(per_layer))} saved per layer "
+            f"(micro-batch {batch.micro_batch_size}, seq {batch.seq_len}) x {in_flight} micro-batch(es) "
+            f"in flight; largest saved tensor {top.name} {gib(top.nbytes)}"
+        )
+    step_inputs = A.step_inputs_bytes(spec, act)
+    fwd += in_flight * step_inputs
+    bwd += in_flight * step_inputs
+    # lm_head saved a cast, or nothing: the final hidden state is still referenced by the model
+    # output during the loss
+    if ctx.last and (ctx.autocast or not ctx.full or ctx.fused):
+        fwd += ctx.tokens * spec.hidden_size * ctx.residual
+    return ActTerm(
+        fwd=fwd,
+        bwd=bwd,
+        first_layer_bwd=_first_layer_backward(ctx, layer_in),
+        per_layer=per_layer,
+        saved_layers=saved_layers,
+        head_saved=head_saved,
+        layer_in=layer_in,
+        step_inputs=step_inputs,
+        note=note,
+    )
+
+
+def _first_layer_backward(ctx: RankContext, layer_in: int) -> int:
+    # Backward through the first layer: its saved tensors (recomputed under checkpointing) plus the
+    # gradients of the MLP's intermediates (d product, d act, d up, d gate), in the compute dtype.
+    tokens, inter, cb = ctx.tokens, ctx.inter, ctx.cb
+    # By the time the MLP's input gradients are formed, down_proj's backward has released its input.
+    down_in = tokens * inter * cb if ctx.full else 0
+    first_layer_bwd = (
+        A.total(A.layer_saved(ctx.spec, ctx.act, input_requires_grad=ctx.full))
+        - down_in
+        + 4 * tokens * inter * cb
+        + layer_in
+    )  # + the residual stream's gradient
+    if ctx.cfg.memory.activation_checkpointing and ctx.residual != 4:  # else the norm's fp32 input is the kept input
+        first_layer_bwd += layer_in
+    return first_layer_bwd
+
+
+class LossTerm(NamedTuple):
+    by_phase: dict[str, int]  # forward, backward, backward_grads
+    note: str | None
+
+
+def logits_loss(ctx: RankContext, grads: GradTerm) -> LossTerm:
+    spec, prec, tokens, chunk = ctx.spec, ctx.prec, ctx.tokens, ctx.cfg.train.loss_chunk_tokens
+    head_grad = grads.head if (ctx.full and not ctx.persistent_grads) else 0
+    if ctx.fused:
+        head_bytes = ctx.cb if ctx.fsdp else (prec.param_bytes if ctx.full else prec.frozen_bytes)
+        logits = A.fused_loss_bytes(spec, ctx.act, chunk_tokens=chunk, head_trainable=ctx.full, head_bytes=head_bytes)
+        note = (
+            f"fused loss: {min(chunk, tokens)} of {tokens} tokens' logits "
+            f"at a time over {spec.vocab_size:,} vocab, plus the hidden-state gradient"
+            + (" and the head weight's gradient" if ctx.full else "")
+        )
+    elif ctx.last:
+        logits = A.logits_loss_bytes(spec, ctx.act, head_grad)
+        note = (
+            f"{tokens} tokens x {spec.vocab_size // ctx.tp:,} vocab: logits in "
+            f"{prec.compute_dtype}, the fp32 upcast for the loss, log-softmax output "
+            "and its gradients"
+        )
+    else:
+        logits, note = {"forward": 0, "backward": 0, "backward_grads": 0}, None
+    return LossTerm(logits, note)
+
+
+# ---- the backward peak -----------------------------------------------------------------------
+
+
+def backward_moments(
+    ctx: RankContext, start: dict[str, int], adapter: AdapterTerm, grads: GradTerm, acts: ActTerm, comm: CommTerm
+) -> list[dict[str, int]]:
+    """The moments of backward that can be its peak, `start` (the start of backward) first; the
+    plan takes whichever holds the most."""
+    end = _backward_end(ctx, start, adapter, grads, acts, comm)
+    candidates = [start, end]
+    if ctx.dims.reshard_after_forward:
+        # The root unit is resharded after forward and gathered again as backward starts: its
+        # all-gather output buffer and the unsharded parameters exist together for a moment.
+        regather = dict(start)
+        regather["weight_copies"] = 2 * ctx.root_numel * ctx.cb
+        candidates.append(regather)
+    if ctx.fused and ctx.layers and not ctx.cfg.memory.activation_checkpointing:
+        top_layer = _top_layer_mlp_backward(ctx, start, end, adapter, grads, acts)
+        candidates += [top_layer, _final_norm_backward(ctx, start, top_layer, adapter, grads, acts)]
+    if ctx.cfg.memory.activation_checkpointing and ctx.layers:
+        # Checkpointing: the top layer is recomputed while every layer's kept input still exists.
+        top_layer = dict(end)
+        top_layer["gradients"] = grads.live_fwd + (grads.head if ctx.full and ctx.last else 0)
+        top_layer["adapter"] = adapter.live + (adapter.grads if ctx.persistent_grads else 0)
+        top_layer["weight_copies"] = start["weight_copies"]
+        top_layer["activations"] = (
+            acts.first_layer_bwd
+            + ctx.in_flight * acts.step_inputs
+            + ctx.in_flight * (len(ctx.layers) - 1) * acts.layer_in
+        )
+        candidates.append(top_layer)
+    return candidates
+
+
+def _backward_end(
+    ctx: RankContext, start: dict[str, int], adapter: AdapterTerm, grads: GradTerm, acts: ActTerm, comm: CommTerm
+) -> dict[str, int]:
+    # The end of backward: the first layer's backward runs while every later gradient exists.
+    # autocast's weight copies are released layer by layer as backward consumes them
+    end_copies = start["weight_copies"]
+    if ctx.autocast and ctx.full and not ctx.fsdp and ctx.layers:
+        end_copies = sum(_tp_numel(t, ctx.tp) for t in _autocast_cast(ctx) if t.layer == ctx.layers[0]) * ctx.cb
+    end = {
+        "weights": start["weights"],
+        "weight_copies": end_copies,
+        "adapter": adapter.live + adapter.grads,
+        "gradients": max(grads.live_fwd, grads.nbytes - grads.first_layer),
+        "optimizer": start["optimizer"],
+        "activations": acts.first_layer_bwd + ctx.in_flight * acts.step_inputs,
+        "buffers": start["buffers"],
+        "comm_buffers": comm.end,
+    }
+    if ctx.fsdp and ctx.full and ctx.last and ctx.head is not None:
+        # FSDP2 reduce-scatters the root unit's gradients in its final callback, after the whole
+        # backward: the head's unsharded gradient (compute dtype) is still there at the end.
+        end["comm_buffers"] += ctx.head.numel * ctx.cb
+    return end
+
+
+def _top_layer_mlp_backward(
+    ctx: RankContext, start: dict[str, int], end: dict[str, int], adapter: AdapterTerm, grads: GradTerm, acts: ActTerm
+) -> dict[str, int]:
+    # Without the logits buffers, the top layer's MLP backward can be the peak: every layer's
+    # saved tensors, the MLP's intermediate gradients, and the gradients formed so far (head,
+    # final norm, the top layer's down projection).
+    top, cb, tokens, inter = ctx.layers[-1], ctx.cb, ctx.tokens, ctx.inter
+    formed = [
+        t
+        for t in ctx.trainable
+        if (t.layer is None and t.role == "norm")
+        or (t.layer == top and ".mlp." in t.name and t.module in ("down_proj", "c_proj"))
+    ]
+    formed_bytes = sum(_sharded_numel(t, ctx.tp, ctx.shard_g) for t in formed) * ctx.prec.grad_bytes
+    top_down_in = tokens * inter * cb if ctx.full else 0
+    top_layer = dict(end)
+    top_layer["gradients"] = grads.live_fwd if ctx.persistent_grads and ctx.full else grads.head + formed_bytes
+    top_layer["adapter"] = adapter.live + (adapter.grads if ctx.persistent_grads else 0)
+    top_layer["weight_copies"] = start["weight_copies"]
+    top_layer["comm_buffers"] = start["comm_buffers"]  # no unit has finished its backward yet
+    if ctx.fsdp and ctx.full:  # gradients stay unsharded, in the compute dtype, until their unit's reduce-scatter
+        top_layer["gradients"] = 0
+        top_layer["comm_buffers"] += (ctx.head.numel + sum(t.numel for t in formed)) * cb
+    if ctx.dims.reshard_after_forward and len(ctx.layers) > 1:
+        top_layer["weight_copies"] = start["weight_copies"] + ctx.unit_numel * cb  # the next unit, prefetched
+    top_layer["activations"] = (
+        ctx.in_flight * (acts.saved_layers + acts.step_inputs) - top_down_in + 3 * tokens * inter * cb + acts.layer_in
+    )
+    return top_layer
+
+
+def _final_norm_backward(
+    ctx: RankContext,
+    start: dict[str, int],
+    top_layer: dict[str, int],
+    adapter: AdapterTerm,
+    grads: GradTerm,
+    acts: ActTerm,
+) -> dict[str, int]:
+    # An RMSNorm's backward: the final norm's (under LoRA, the top layer's input norm, after
+    # that layer's adapter gradients): every layer's saved tensors, dL/dhidden and the norm's
+    # fp32 (tokens x hidden) temporaries, 2 when the residual stream is fp32 and 4 when it is
+    # upcast or under LoRA (counted on the trace, transformers 5.24's LlamaRMSNorm).
+    temps = 4 if (ctx.residual != 4 or not ctx.full) else 2
+    norm_bwd = dict(top_layer)
+    norm_bwd["gradients"] = grads.live_fwd if ctx.persistent_grads and ctx.full else grads.head
+    norm_bwd["weight_copies"] = start["weight_copies"]
+    norm_bwd["comm_buffers"] = start["comm_buffers"]
+    if ctx.fsdp and ctx.full:
+        norm_bwd["gradients"] = 0
+        norm_bwd["comm_buffers"] += ctx.head.numel * ctx.cb
+    if not ctx.full and not ctx.persistent_grads:
+        norm_bwd["adapter"] = adapter.live + adapter.grads // len(ctx.layers)
+    norm_bwd["activations"] = (
+        ctx.in_flight * (acts.saved_layers + acts.step_inputs)
+        + A.total(acts.head_saved)
+        + ctx.tokens * ctx.spec.hidden_size * (ctx.residual + temps * 4)
+    )
+    return norm_bwd

@@ -1,0 +1,152 @@
+"""One run's checkpoint policy: where, how often, resume and rollback. Built once per run;
+`format` is the only code that writes or reads the files."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from trainplan import config as C
+from trainplan.errors import ConfigError
+from trainplan.files import short_hash
+from trainplan.resolve import Resolved
+from trainplan.run import dist
+from trainplan.run.checkpoint import format as ckpt
+from trainplan.run.record import state_hashes
+
+
+def model_fingerprint(r: Resolved) -> str:
+    """The model a checkpoint belongs to: its architecture, source and initialisation."""
+    cfg = r.cfg
+    return short_hash(
+        json.dumps({"config": r.spec.config, "source": cfg.model.source, "init": cfg.model.init}, sort_keys=True)
+    )
+
+
+def compat(r: Resolved) -> str:
+    """Settings a resumed run must share with the run that wrote the checkpoint. The global batch,
+    not its split into ranks x micro-batch x accumulation, so a run can resume on another world size."""
+    d = r.cfg.to_dict()
+    keep = {
+        "precision": d["precision"],
+        "lora": d["lora"],
+        "optim": d["optim"],
+        "data": d["data"],
+        "seed": d["train"]["seed"],
+        "seq_len": r.batch.seq_len,
+        "global_batch_size": r.batch.global_batch_size,
+    }
+    return short_hash(json.dumps(keep, sort_keys=True))
+
+
+class CheckpointManager:
+    """Checkpoints of one run. `last` is the newest checkpoint of this run (written or resumed
+    from): rollback never restores another run's checkpoint that happens to share the directory."""
+
+    def __init__(self, r: Resolved, env: dist.DistEnv, model) -> None:
+        cfg = r.cfg
+        self.cfg: C.RunConfig = cfg
+        self.env, self.batch = env, r.batch
+        self.model = getattr(model, "module", model)
+        self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.train.output_dir) / "checkpoints"
+        # FSDP2 strategies write DCP shards, readable at any world size (one process included)
+        self.sharded = r.dims.shards_params
+        self.last: Path | None = None
+        self.expect = {"model_fingerprint": model_fingerprint(r), "mode": cfg.mode, "compat": compat(r)}
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.checkpoint.every
+        return bool(every) and step % every == 0
+
+    def save(self, state, *, force: bool = False) -> None:
+        """force: the guard stopped the run; keep a checkpoint even when checkpoint.every is 0."""
+        if not (self.cfg.checkpoint.every or force):
+            return
+        self.last = ckpt.save(
+            self.root,
+            step=state.step,
+            model=self.model,
+            optimizer=state.optimizer,
+            scheduler=state.scheduler,
+            scaler=state.scaler,
+            state={**self.expect, **state.state_dict(), "config": self.cfg.to_dict()},
+            keep_last=self.cfg.checkpoint.keep_last,
+            sharded=self.sharded,
+        )
+
+    def _load(self, path: Path, state) -> dict:
+        saved = ckpt.load(
+            path,
+            model=self.model,
+            optimizer=state.optimizer,
+            scheduler=state.scheduler,
+            scaler=state.scaler,
+            expect=self.expect,
+            sharded=self.sharded,
+        )
+        state.load_state_dict(saved)
+        return saved
+
+    def rollback(self, state, event: dict) -> bool:
+        """Restore the newest valid checkpoint of this run, skip the batches from it through the bad
+        step plus `guard.rollback_skip` more, optionally lower the LR. False when the event's action
+        changed instead (no checkpoint: skip; too many rollbacks: stop)."""
+        g = self.cfg.guard
+        rollbacks = state.guard.rollbacks
+        if rollbacks >= g.max_rollbacks:
+            event["action"] = "stop"
+            event["note"] = f"{rollbacks} rollback(s) already (guard.max_rollbacks): stopping"
+            return False
+        path = self.last
+        if path is None or ckpt.validate(path) is not None:
+            event["action"] = "skip"
+            event["note"] = "no valid checkpoint of this run to roll back to: the step was skipped instead"
+            return False
+        self._load(path, state)
+        state.guard.rollbacks = rollbacks + 1
+        # As PaLM did: skip the batches seen between the checkpoint and the bad step, that one
+        # included, plus guard.rollback_skip more after it.
+        per_step = self.batch.micro_batch_size * self.batch.grad_accum_steps
+        steps = event["step"] - state.step + g.rollback_skip
+        skipped = [i for _ in range(steps) for i in state.sampler.take(per_step)]
+        if g.rollback_lr_factor != 1.0:
+            scheduler = state.scheduler
+            scheduler.base_lrs = [b * g.rollback_lr_factor for b in scheduler.base_lrs]
+            for group in state.optimizer.param_groups:
+                group["lr"] *= g.rollback_lr_factor
+            scheduler._last_lr = [group["lr"] for group in state.optimizer.param_groups]
+        event.update(
+            restored_from=path.name,
+            restored_step=state.step,
+            skipped_batch_ids=self.env.gather(skipped),
+            lr_factor=g.rollback_lr_factor,
+        )
+        return True
+
+    def maybe_resume(self, state, model) -> dict | None:
+        """Load checkpoint.resume ("auto": the newest valid one) into `state`; returns what the run
+        record keeps of it, or None when the run starts fresh by configuration."""
+        resume = self.cfg.checkpoint.resume
+        if not resume:
+            return None
+        if resume == "auto":
+            path, skipped = ckpt.latest_valid(self.root)
+            for name, reason in skipped if self.env.is_main else []:
+                print(f"trainplan train: skipped checkpoint {name}: {reason}", file=sys.stderr)
+            info = {"skipped": [{"checkpoint": n, "reason": why} for n, why in skipped]}
+            if path is None:
+                return {**info, "from": None}
+        else:
+            path = Path(resume)
+            if not path.is_dir():
+                raise ConfigError(
+                    "checkpoint.resume", f"no checkpoint at {resume!r}", 'give a step-NNNNNNNN directory or "auto"'
+                )
+            info = {"skipped": []}
+        saved = self._load(path, state)
+        info["loaded"] = state_hashes(model, state.optimizer)
+        for note in saved["notes"] if self.env.is_main else []:
+            print(f"trainplan train: resume: {note}", file=sys.stderr)
+        self.last = path
+        return {**info, "notes": saved["notes"], "from": str(path), "step": saved["step"]}

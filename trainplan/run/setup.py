@@ -1,0 +1,125 @@
+"""A run's set-up: the validated job (`prepare`) and its training state (`TrainState`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+
+from trainplan import config as C
+from trainplan.resolve import Resolved, require_runnable, resolve
+from trainplan.run import data, dist, guard, step, weights
+from trainplan.run.record import device_label
+
+
+@dataclass(frozen=True)
+class Split:
+    """One side of the held-out split: its documents, packed into sequences and labels."""
+
+    documents: list
+    ids: torch.Tensor  # (sequences, seq_len)
+    labels: torch.Tensor  # (sequences, seq_len)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """Everything a run needs before its first step, built by `prepare`."""
+
+    cfg: C.RunConfig  # hardware.gpus is the devices actually present
+    resolved: Resolved
+    env: dist.DistEnv
+    tokenizer: object
+    train: Split
+    eval: Split
+    model: torch.nn.Module  # on its device, not yet wrapped for data parallelism
+
+    @property
+    def training(self) -> bool:
+        return self.cfg.mode != "inference"
+
+
+def prepare(cfg: C.RunConfig, env: dist.DistEnv) -> Job:
+    """Resolve the config for the devices actually present, refuse what the engine cannot run,
+    then build data and model."""
+    cfg = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, gpus=device_label(env)))
+    r = resolve(cfg)
+    directory = weights.weights_dir(cfg) if weights.is_pretrained(cfg) else None
+    if directory is not None:  # build from the checkpoint's own transformers config, every field of it
+        full_config = json.loads((directory / "config.json").read_text())
+        r = dataclasses.replace(r, spec=dataclasses.replace(r.spec, config=full_config))
+    sharded = r.dims.shards_params and env.world > 1
+    require_runnable(cfg, max_positions=r.spec.max_position_embeddings, sharded=sharded, cuda=env.device.type == "cuda")
+    torch.manual_seed(cfg.train.seed)
+    tokenizer = weights.load_tokenizer(cfg, r.spec)
+    train_docs, eval_docs = data.split_documents(data.load_documents(cfg.data.source), cfg.data.eval_fraction)
+    seq, vocab = r.batch.seq_len, r.spec.vocab_size
+    train, held_out = (Split(docs, *data.pack(docs, tokenizer, seq, vocab)) for docs in (train_docs, eval_docs))
+    mesh = dist.mesh(env) if sharded else None
+    model = weights.load_model(cfg, r.spec, r.precision, env.device, dims=r.dims if mesh else None, mesh=mesh)
+    return Job(cfg=cfg, resolved=r, env=env, tokenizer=tokenizer, train=train, eval=held_out, model=model)
+
+
+def lr_factor(cfg: C.TrainConfig):
+    """The LR schedule as a factor of the base LR per step: linear warm-up, then constant or cosine."""
+
+    def factor(i: int) -> float:
+        if i < cfg.warmup_steps:
+            return (i + 1) / (cfg.warmup_steps + 1)
+        if cfg.schedule == "cosine":
+            progress = (i - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return factor
+
+
+@dataclass(kw_only=True)
+class TrainState:
+    """Training progress and every stateful part of the update, as torchtitan's Trainer holds it.
+
+    `state_dict()` is the progress a checkpoint's state.json carries (step, tokens seen, data
+    position, guard windows); the optimizer, scheduler and scaler go to their own checkpoint parts."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler | None
+    sampler: data.StatefulSampler
+    guard: guard.Guard
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "sampler": self.sampler.state_dict(),
+            "guard": self.guard.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Progress from a checkpoint's state.json (the torch parts are loaded by the checkpoint)."""
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.sampler.load_state_dict(state["sampler"])
+        if "guard" in state:
+            self.guard.load_state_dict(state["guard"])
+
+
+def train_state(job: Job, model: torch.nn.Module) -> TrainState:
+    """A fresh state for `model` (wrapped for data parallelism): the optimizer the plan assumed."""
+    cfg, env = job.cfg, job.env
+    o = cfg.optim
+    zero1 = job.resolved.dims.partitions_optimizer_by_tensor  # ZeroRedundancyOptimizer
+    optimizer = step.build_optimizer(
+        model, o.name, o.implementation, o.lr, o.weight_decay, env.device.type, zero1=zero1
+    )
+    scaler = torch.amp.GradScaler(env.device.type) if job.resolved.precision.loss_scaling else None
+    return TrainState(
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg.train)),
+        scaler=scaler,
+        sampler=data.StatefulSampler(job.train.ids.shape[0], seed=cfg.train.seed, rank=env.rank, world=env.world),
+        guard=guard.Guard(cfg.guard, scaler=scaler is not None),
+    )

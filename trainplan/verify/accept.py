@@ -1,0 +1,160 @@
+"""`trainplan accept`: the acceptance run, one verdict from six recorded checks.
+
+(a) mode contract  (b) memory, plan vs measured per device  (c) training step: finite, and the
+loss falls when overfitting one fixed batch  (d) quality: the held-out metric before and after,
+with settings and training time  (e) resume: verify-resume at a small scale  (f) instability:
+a scan of the run's loss and grad-norm history.
+
+Each check records its evidence; the verdict is PASS only when every check that applies passed.
+A run that succeeds is not yet a useful result (d), a server's total memory says nothing about
+placement (b, per device, never pooled), and a checkpoint counts only when the code can load it
+and continue (e).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from trainplan import config as C
+from trainplan.errors import ConfigError
+from trainplan.verify.checks import (
+    Check,
+    check_contract,
+    check_instability,
+    check_memory,
+    check_quality,
+    check_step,
+)
+
+# The default configuration: the embedded default's LoRA demo, shipped in the package.
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "demo-lora.toml"
+TOLERANCE = 0.05  # of the measured peak allocated, per device
+
+
+def perturbed(ledger, perturb: dict[str, float] | None):
+    """The plan with components scaled (a test hook: proves the memory check can fail)."""
+    if not perturb:
+        return ledger
+    known = {c for d in ledger.devices for ph in d.phases.values() for c in ph}
+    for comp in perturb:
+        if comp not in known:
+            raise ConfigError("--perturb-plan", f"no component {comp!r} in the plan", f"use one of {sorted(known)}")
+    devices = [
+        dataclasses.replace(
+            d,
+            phases={ph: {c: int(v * perturb.get(c, 1.0)) for c, v in comps.items()} for ph, comps in d.phases.items()},
+        )
+        for d in ledger.devices
+    ]
+    return dataclasses.replace(ledger, devices=devices)
+
+
+# ---- (e) resume -----------------------------------------------------------------------------
+
+
+def check_resume(config_file: Path, workdir: Path, *, steps: int, at: int, nproc: int, mode: str) -> Check:
+    if mode == "inference":
+        return Check("resume", "Resume", None, "inference: no optimizer state or progress to resume", {})
+    from trainplan.verify.resume import verify
+
+    small = ["train.eval_batches=1", "train.eval_every=0", "train.measure_memory=false"]
+    args = [str(config_file), *(x for item in small for x in ("--set", item))]
+    try:
+        result = verify(args, steps=steps, at=at, workdir=workdir, nproc=nproc)
+    except RuntimeError as e:
+        return Check("resume", "Resume", False, str(e), {})
+    failed = [k for k, ok in result["checks"].items() if not ok]
+    summary = f"N={steps} uninterrupted vs stop at k={at} + resume in a fresh process: " + (
+        "bitwise equal (loss, grad norm, LR, next batch, weights and optimizer hashes)"
+        if not failed
+        else f"differs in {', '.join(failed)}; largest deviation {result['max_deviation']}"
+    )
+    return Check("resume", "Resume", result["passed"], summary, result)
+
+
+def _device_name(device: str) -> str:
+    if not device.startswith("cuda"):
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device))
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+
+def accept(
+    cfg: C.RunConfig,
+    *,
+    out_dir: Path,
+    tolerance: float = TOLERANCE,
+    perturb: dict[str, float] | None = None,
+    resume_steps: int = 4,
+    resume_at: int = 2,
+    overfit_steps: int = 6,
+    nproc: int = 1,
+) -> dict:
+    """Run the checks in order; returns the result (also the input of the report)."""
+    from trainplan.plan import analytic
+    from trainplan.run import loop
+    from trainplan.run.record import write as write_record
+    from trainplan.verify.resume import run_train
+
+    t0 = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    main_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=str(out_dir / "train")))
+    config_file = out_dir / "config.toml"
+    config_file.write_text(C.to_toml(main_cfg))
+    if nproc > 1:
+        record = run_train([str(config_file)], out_dir / "train", nproc=nproc)
+    else:
+        record, _ = loop.run(main_cfg, quiet=True)
+        write_record(record, out_dir / "train")
+    ledger = perturbed(analytic.plan(C.from_dict(record["config"])), perturb)
+
+    overfit = None
+    if cfg.mode != "inference":
+        fit_cfg = dataclasses.replace(
+            main_cfg,
+            train=dataclasses.replace(
+                main_cfg.train,
+                steps=overfit_steps,
+                overfit_batches=1,
+                eval_batches=1,
+                eval_every=0,
+                stop_after=0,
+                measure_memory=False,
+                output_dir=str(out_dir / "overfit"),
+            ),
+            checkpoint=dataclasses.replace(main_cfg.checkpoint, every=0, resume=""),
+            data=main_cfg.data,
+        )
+        overfit, _ = loop.run(fit_cfg, quiet=True)
+        write_record(overfit, out_dir / "overfit")
+
+    checks = [
+        check_contract(record),
+        check_memory(record, ledger, tolerance),
+        check_step(record, overfit),
+        check_quality(record),
+        check_resume(config_file, out_dir / "resume", steps=resume_steps, at=resume_at, nproc=nproc, mode=cfg.mode),
+        check_instability(record),
+    ]
+    passed = all(c.passed is not False for c in checks)
+    failing = [c for c in checks if c.passed is False]
+    return {
+        "schema": "trainplan.accept/1",
+        "verdict": "PASS" if passed else "FAIL",
+        "failing": [f"{c.name}: {c.summary}" for c in failing],
+        "checks": [c.to_json() for c in failing + [c for c in checks if c.passed is not False]],
+        "order": [c.key for c in checks],
+        "plan": ledger.to_json(),
+        "perturbed": perturb or {},
+        "record": {k: v for k, v in record.items() if k != "memory"},
+        "memory": record.get("memory"),
+        "device_name": _device_name(record["hardware"]["device"]),
+        "seconds": time.perf_counter() - t0,
+        "out_dir": str(out_dir),
+    }
