@@ -12,6 +12,7 @@ from trainplan import cli
 from trainplan import config as C
 from trainplan.commands.train import execute
 from trainplan.plan import analytic
+from trainplan.run.record import RunRecord
 from trainplan.verify import accept, checks, registry
 from trainplan.verify.report import GROUP_COLORS
 
@@ -91,8 +92,8 @@ def test_a_wrong_plan_fails_the_memory_check_and_names_the_component(tiny_run, t
 def test_memory_check_measures_what_the_plan_omits(accepted):
     """The comparison is real: a plan with half the frozen weights fails on that group."""
     _, _, _, result = accepted
-    record = dict(result["record"], memory=result["memory"])
-    ledger = analytic.plan(C.from_dict(record["config"]))
+    record = RunRecord.from_json(dict(result["record"], memory=result["memory"]))
+    ledger = analytic.plan(C.from_dict(record.config))
     assert checks.check_memory(record, ledger, 0.05).passed
     assert not checks.check_memory(record, accept.perturbed(ledger, {"weights": 0.5}), 0.05).passed
     with pytest.raises(Exception, match="no component 'nonsense'"):
@@ -159,7 +160,7 @@ def test_html_report_renders_its_plots_in_a_headless_browser(accepted, tmp_path)
 def test_runs_list_show_compare(accepted, tiny_run, tmp_path, capsys):
     _, out, db, _ = accepted
     root, base = tiny_run
-    record = execute(C.load(None, [*base, "mode=full", f"train.output_dir={tmp_path}"]), quiet=True)[0]
+    record = execute(C.load(None, [*base, "mode=full", f"train.output_dir={tmp_path}"]), quiet=True)[0].to_json()
     assert record["registry_id"] is not None  # train runs register themselves (the suite's registry)
     rows = registry.rows(registry.path())
     assert rows[-1]["kind"] == "train" and rows[-1]["mode"] == "full"

@@ -50,7 +50,7 @@ def test_resume_is_bitwise_identical_to_the_uninterrupted_run(tiny_run, tmp_path
 
 def run(tiny_run, out, *extra):
     root, base = tiny_run
-    record = execute(C.load(None, [*base, f"train.output_dir={out}", *extra]), quiet=True)[0]
+    record = execute(C.load(None, [*base, f"train.output_dir={out}", *extra]), quiet=True)[0].to_json()
     return record
 
 

@@ -44,7 +44,7 @@ def single_full(tiny_run, tmp_path_factory):
             f"train.output_dir={tmp_path_factory.mktemp('single')}",
         ],
     )
-    record = execute(cfg, quiet=True)[0]
+    record = execute(cfg, quiet=True)[0].to_json()
     return record
 
 
@@ -102,7 +102,7 @@ def test_fsdp_resume_through_dcp_is_bitwise(tiny_run, tmp_path, mode, strategy):
 
 def _in_process(tiny_run, out, *extra) -> dict:
     root, base = tiny_run
-    record = execute(C.load(None, [*base, f"train.output_dir={out}", *extra]), quiet=True)[0]
+    record = execute(C.load(None, [*base, f"train.output_dir={out}", *extra]), quiet=True)[0].to_json()
     return record
 
 

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 def run(tiny_run, tmp_path, *extra):
     root, base = tiny_run
     cfg = C.load(None, [*base, f"train.output_dir={tmp_path}", *extra])
-    record = execute(cfg, quiet=True)[0]
+    record = execute(cfg, quiet=True)[0].to_json()
     return record
 
 

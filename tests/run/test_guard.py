@@ -18,7 +18,7 @@ from trainplan.run import guard
 def run(tiny_run, out, *extra):
     root, base = tiny_run
     cfg = C.load(None, [*base, "train.measure_memory=false", "train.eval_batches=1", f"train.output_dir={out}", *extra])
-    record = execute(cfg, quiet=True)[0]
+    record = execute(cfg, quiet=True)[0].to_json()
     return record
 
 
@@ -237,11 +237,14 @@ def test_rollback_never_uses_another_runs_checkpoint(tiny_run, tmp_path):
 
 def test_accept_does_not_count_the_fp16_scalers_own_skips_as_instability():
     """amp-fp16: a step the GradScaler skipped for inf gradients is AMP at work, not a NaN."""
+    from trainplan.run.record import RunRecord
     from trainplan.verify import checks as accept
 
     steps = [{"step": i, "loss": 2.0 - 0.01 * i, "grad_norm": 1.0} for i in range(1, 13)]
     steps[3] = {**steps[3], "grad_norm": math.inf, "skipped": True}
-    record = {"config": {"precision": "amp-fp16", "mode": "full", "train": {"max_grad_norm": 1.0}}, "steps": steps}
+    config = {"precision": "amp-fp16", "mode": "full", "train": {"max_grad_norm": 1.0}}
+    fields = {"versions": {}, "hardware": {}, "seed": 0, "data": {}, "model": {}, "batch": {}}
+    record = RunRecord(config=config, steps=steps, **fields)
     assert accept.check_instability(record).passed
-    record["config"]["precision"] = "fp32"  # without a GradScaler the same inf is an instability
+    config["precision"] = "fp32"  # without a GradScaler the same inf is an instability
     assert not accept.check_instability(record).passed

@@ -41,6 +41,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from trainplan.config import load
+    from trainplan.run.record import RunRecord
     from trainplan.verify import accept, registry, report
 
     quiet_libraries()
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         overfit_steps=args.overfit_steps,
         nproc=args.nproc,
     )
-    rec = dict(result["record"], memory=result["memory"])
+    rec = RunRecord.from_json(dict(result["record"], memory=result["memory"]))
     try:
         row = registry.row_from_record(rec, kind="accept", verdict=result["verdict"], device=result["device_name"])
         result["registry_id"] = registry.add(row, registry.path(args.registry))

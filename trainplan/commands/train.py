@@ -27,35 +27,36 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_registry_arg(p)
 
 
-def summary(record: dict) -> list[str]:
-    before, after = record["eval_before"], record["eval_after"]
-    contract = record["contract"]
+def summary(record) -> list[str]:
+    """What `trainplan train` prints of a RunRecord."""
+    before, after = record.eval_before, record.eval_after
+    contract = record.contract
     lines = [
         f"held-out loss {before['loss']:.4f} -> {after['loss']:.4f}, perplexity {before['perplexity']:.2f} -> "
         f"{after['perplexity']:.2f}, token accuracy {before['token_accuracy']:.3f} -> "
-        f"{after['token_accuracy']:.3f}; {len(record['steps'])} steps in {record.get('train_seconds', 0):.1f} s "
-        f"(wall {record['wall_seconds']:.1f} s)",
+        f"{after['token_accuracy']:.3f}; {len(record.steps)} steps in {record.train_seconds or 0:.1f} s "
+        f"(wall {record.wall_seconds:.1f} s)",
         f"contract ({contract['mode']}): {'PASS' if contract['passed'] else 'FAIL'} - {contract['detail']}",
-        f"record: {Path(record['config']['train']['output_dir']) / 'record.json'}",
+        f"record: {Path(record.config['train']['output_dir']) / 'record.json'}",
     ]
-    if record.get("stopped"):
-        ev = record["stopped"]
+    if record.stopped:
+        ev = record.stopped
         lines.append(
             f"stopped by the stability guard at step {ev['step']}: {ev['key']} {ev['kind']} ({ev['value']:.4g})"
         )
     return lines
 
 
-def register(record: dict, registry_arg: str | None, device: str) -> None:
+def register(record, registry_arg: str | None, device: str) -> None:
     """Add the run to the registry; a registry that cannot be written is a warning, not a failure."""
     from trainplan.verify import registry
 
     db = registry.path(registry_arg)
     if db is None:
         return
-    verdict = "PASS" if record["contract"]["passed"] else "FAIL"
+    verdict = "PASS" if record.passed else "FAIL"
     try:
-        record["registry_id"] = registry.add(
+        record.registry_id = registry.add(
             registry.row_from_record(record, kind="train", verdict=verdict, device=device), db
         )
     except Exception as e:  # the run itself succeeded
@@ -69,7 +70,7 @@ def execute(cfg, registry_arg: str | None = None, *, quiet: bool = False):
     rec, env = loop.run(cfg, quiet=quiet)
     if env.is_main:
         register(rec, registry_arg, record.device_name(env))
-        record.write(rec, Path(rec["config"]["train"]["output_dir"]))
+        record.write(rec, Path(rec.config["train"]["output_dir"]))
     return rec, env
 
 
@@ -84,6 +85,6 @@ def run(args: argparse.Namespace) -> int:
     rec, env = execute(config_from_args(args), args.registry)
     if env.is_main:
         print("\n".join(summary(rec)))
-    if rec.get("stopped"):
+    if rec.stopped:
         return dist.finish(env, EXIT_GUARD_STOP)
-    return dist.finish(env, 0 if rec["contract"]["passed"] else 1)
+    return dist.finish(env, 0 if rec.passed else 1)

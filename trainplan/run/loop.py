@@ -21,21 +21,21 @@ from trainplan.run.guard import StepGuard
 from trainplan.run.setup import Job, TrainState, prepare, train_state
 
 
-def run(cfg: C.RunConfig, *, quiet: bool = False) -> tuple[dict, dist.DistEnv]:
+def run(cfg: C.RunConfig, *, quiet: bool = False) -> tuple[record.RunRecord, dist.DistEnv]:
     """Run the job described by cfg; returns the run record and the process group's environment."""
     env = dist.init()
     t_start = time.perf_counter()
     trainer = Trainer(prepare(cfg, env), quiet=quiet)
     rec = trainer.record
-    rec["eval_before"] = trainer.evaluate()
+    rec.eval_before = trainer.evaluate()
     if trainer.job.training:
         trainer.train()
     else:
         trainer.infer()
-    rec["eval_after"] = trainer.evaluate()
+    rec.eval_after = trainer.evaluate()
     optimizer = trainer.state.optimizer if trainer.state else None
-    rec["contract"] = contract.check(cfg.mode, trainer.model, trainer.before, optimizer=optimizer).to_json()
-    rec["wall_seconds"] = time.perf_counter() - t_start
+    rec.contract = contract.check(cfg.mode, trainer.model, trainer.before, optimizer=optimizer).to_json()
+    rec.wall_seconds = time.perf_counter() - t_start
     return rec, env
 
 
@@ -83,22 +83,20 @@ class Trainer:
                 step.eval_forward(
                     self.model, mb, prec=self.settings.prec, device_type=env.device.type, on_phase=meter.on_phase
                 )
-            rec["memory"] = {"step": 0, "per_rank": env.gather(meter.result())}
-        rec["generation"] = generate(self.model, job.tokenizer, env)
+            rec.memory = {"step": 0, "per_rank": env.gather(meter.result())}
+        rec.generation = generate(self.model, job.tokenizer, env)
 
     def train(self) -> None:
         cfg, rec = self.job.cfg, self.record
         state = self.state = train_state(self.job, self.model)
         ckpt = CheckpointManager(self.job.resolved, self.env, self.model)
-        resumed = ckpt.maybe_resume(state, self.model)
-        if resumed is not None:
-            rec["resume"] = resumed
+        rec.resume = ckpt.maybe_resume(state, self.model)
         fixed = [state.sampler.take(self.job.resolved.batch.micro_batch_size) for _ in range(cfg.train.overfit_batches)]
         start = state.step
         measure_at = (start + 1 if cfg.train.steps - start >= 2 else start) if cfg.train.measure_memory else -1
         injections = cfg.guard.injections()
         guard = StepGuard(state.guard, self.env)
-        rec["guard"] = {"events": state.guard.events, "settings": dataclasses.asdict(cfg.guard)}
+        rec.guard = {"events": state.guard.events, "settings": dataclasses.asdict(cfg.guard)}
         t_train = time.perf_counter()
         while state.step < cfg.train.steps:
             entry = self.step(
@@ -111,7 +109,7 @@ class Trainer:
                     continue
                 if event["action"] == "stop":
                     ckpt.save(state, force=True)
-                    rec["stopped"] = event
+                    rec.stopped = event
                     break
             if cfg.train.eval_every and state.step % cfg.train.eval_every == 0 and state.step < cfg.train.steps:
                 entry["eval"] = self.evaluate()
@@ -122,9 +120,9 @@ class Trainer:
                 break
         if self.show_progress:
             sys.stderr.write("\n")
-        rec["train_seconds"] = time.perf_counter() - t_train
-        rec["sampler"] = state.sampler.state_dict()
-        rec["final"] = record.fingerprints(self.model, state, self.job.resolved.batch)
+        rec.train_seconds = time.perf_counter() - t_train
+        rec.sampler = state.sampler.state_dict()
+        rec.final = record.fingerprints(self.model, state, self.job.resolved.batch)
 
     def step(self, state: TrainState, guard: StepGuard, fixed: list, *, metered: bool, inject) -> dict:
         """One optimizer step over the accumulation window; appends and returns its record entry."""
@@ -151,7 +149,7 @@ class Trainer:
         with meter or contextlib.nullcontext():
             res = step.train_step(self.model, state, micro, self.settings, token_count=tokens, hooks=hooks)
         if meter is not None:
-            self.record["memory"] = {"step": state.step + 1, "per_rank": env.gather(meter.result())}
+            self.record.memory = {"step": state.step + 1, "per_rank": env.gather(meter.result())}
         dt = time.perf_counter() - t0
         entry = {
             "step": state.step + 1,
@@ -165,7 +163,7 @@ class Trainer:
         }
         if not res.applied:
             entry["skipped"] = True
-        self.record["steps"].append(entry)
+        self.record.steps.append(entry)
         state.step += 1
         state.tokens_seen += tokens
         return entry

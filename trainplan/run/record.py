@@ -7,8 +7,10 @@ registers it. accept's checks, the reports and the registry read it (schema trai
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import platform
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,11 +23,77 @@ FILE = "record.json"
 FINGERPRINT_LIMIT = 4 << 30  # hashing gathers every trainable tensor on every rank: small runs only
 
 
-def write(record: dict, out_dir: Path) -> Path:
+@dataclass(kw_only=True)
+class RunRecord:
+    """What a run did: its settings, per-step history, held-out metric before and after, the mode
+    contract and the measured memory. The typed contract that accept's checks, the reports and the
+    registry read; record.json is its `to_json()`. Nested sections stay JSON objects, described
+    in docs/acceptance.md."""
+
+    schema: str = SCHEMA
+    config: dict  # RunConfig.to_dict(), with the devices actually present
+    versions: dict
+    hardware: dict  # device, world_size, devices
+    seed: int
+    data: dict  # source, fingerprint, documents and sequences per split
+    model: dict  # ModelSpec.summary()
+    batch: dict  # micro_batch_size, grad_accum_steps, global, seq_len
+    steps: list[dict] = field(default_factory=list)  # step, loss, grad_norm, lr, tokens, seconds, memory
+    eval_before: dict | None = None  # loss, perplexity, token_accuracy, tokens
+    eval_after: dict | None = None
+    contract: dict | None = None  # mode, passed, detail
+    wall_seconds: float | None = None
+    train_seconds: float | None = None
+    memory: dict | None = None  # the measured step: {"step", "per_rank": [StepMeter.result()]}
+    generation: dict | None = None  # inference: prompt and completion
+    resume: dict | None = None  # what was resumed from, and what was skipped
+    guard: dict | None = None  # the guard's settings and the events it acted on
+    stopped: dict | None = None  # the event that stopped the run
+    sampler: dict | None = None  # the data position at the end
+    final: dict | None = None  # weights / optimizer hashes and the next batch (verify-resume)
+    registry_id: int | None = None
+
+    @property
+    def mode(self) -> str:
+        return self.config["mode"]
+
+    @property
+    def training(self) -> bool:
+        return self.mode != "inference"
+
+    @property
+    def passed(self) -> bool:
+        """The mode contract held (a run the guard stopped has passed=False elsewhere: see stopped)."""
+        return bool(self.contract and self.contract["passed"])
+
+    @property
+    def guard_events(self) -> list[dict]:
+        return (self.guard or {}).get("events", [])
+
+    def to_json(self) -> dict:
+        """record.json: every field that applies to this run (sections that do not are left out)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                out[f.name] = value
+        return out
+
+    @classmethod
+    def from_json(cls, doc: dict) -> RunRecord:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in doc.items() if k in known})
+
+
+def write(record: RunRecord, out_dir: Path) -> Path:
     """record.json in out_dir, atomically."""
     path = Path(out_dir) / FILE
-    write_atomic(path, json.dumps(record, indent=1))
+    write_atomic(path, json.dumps(record.to_json(), indent=1))
     return path
+
+
+def read(out_dir: Path) -> RunRecord:
+    return RunRecord.from_json(json.loads((Path(out_dir) / FILE).read_text()))
 
 
 def versions(mode: str = "full") -> dict:
@@ -69,17 +137,16 @@ def peak_memory(env: dist.DistEnv) -> dict:
     return {"max_rss_bytes": measure.max_rss_bytes()}
 
 
-def header(job) -> dict:
+def header(job) -> RunRecord:
     """The record before the run: config, versions, hardware, data and model (a setup.Job)."""
     cfg, r, env = job.cfg, job.resolved, job.env
     batch = r.batch
-    return {
-        "schema": SCHEMA,
-        "config": cfg.to_dict(),
-        "versions": versions(cfg.mode),
-        "hardware": {"device": str(env.device), "world_size": env.world, "devices": device_label(env)},
-        "seed": cfg.train.seed,
-        "data": {
+    return RunRecord(
+        config=cfg.to_dict(),
+        versions=versions(cfg.mode),
+        hardware={"device": str(env.device), "world_size": env.world, "devices": device_label(env)},
+        seed=cfg.train.seed,
+        data={
             "source": cfg.data.source,
             "fingerprint": data.fingerprint(job.train.documents + job.eval.documents),
             "train_documents": len(job.train.documents),
@@ -87,15 +154,14 @@ def header(job) -> dict:
             "train_sequences": int(job.train.ids.shape[0]),
             "eval_sequences": int(job.eval.ids.shape[0]),
         },
-        "model": r.spec.summary(),
-        "batch": {
+        model=r.spec.summary(),
+        batch={
             "micro_batch_size": batch.micro_batch_size,
             "grad_accum_steps": batch.grad_accum_steps,
             "global": batch.global_batch_size,
             "seq_len": batch.seq_len,
         },
-        "steps": [],
-    }
+    )
 
 
 def state_hashes(model, optimizer) -> dict:

@@ -99,6 +99,7 @@ def accept(
     """Run the checks in order; returns the result (also the input of the report)."""
     from trainplan.plan import analytic
     from trainplan.run import loop
+    from trainplan.run.record import RunRecord
     from trainplan.run.record import write as write_record
     from trainplan.verify.resume import run_train
 
@@ -108,11 +109,11 @@ def accept(
     config_file = out_dir / "config.toml"
     config_file.write_text(C.to_toml(main_cfg))
     if nproc > 1:
-        record = run_train([str(config_file)], out_dir / "train", nproc=nproc)
+        record = RunRecord.from_json(run_train([str(config_file)], out_dir / "train", nproc=nproc))
     else:
         record, _ = loop.run(main_cfg, quiet=True)
         write_record(record, out_dir / "train")
-    ledger = perturbed(analytic.plan(C.from_dict(record["config"])), perturb)
+    ledger = perturbed(analytic.plan(C.from_dict(record.config)), perturb)
 
     overfit = None
     if cfg.mode != "inference":
@@ -152,9 +153,9 @@ def accept(
         "order": [c.key for c in checks],
         "plan": ledger.to_json(),
         "perturbed": perturb or {},
-        "record": {k: v for k, v in record.items() if k != "memory"},
-        "memory": record.get("memory"),
-        "device_name": _device_name(record["hardware"]["device"]),
+        "record": {k: v for k, v in record.to_json().items() if k != "memory"},
+        "memory": record.memory,
+        "device_name": _device_name(record.hardware["device"]),
         "seconds": time.perf_counter() - t0,
         "out_dir": str(out_dir),
     }

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from trainplan.plan.ledger import GROUPS
 from trainplan.run import guard
+from trainplan.run.record import RunRecord
 from trainplan.spec.devices import format_gib
 
 
@@ -32,8 +33,8 @@ class Check:
 # ---- (a) contract ---------------------------------------------------------------------------
 
 
-def check_contract(record: dict) -> Check:
-    c = record["contract"]
+def check_contract(record: RunRecord) -> Check:
+    c = record.contract
     return Check("contract", "Mode contract", c["passed"], f"{c['mode']}: {c['detail']}", c)
 
 
@@ -98,8 +99,8 @@ def compare_memory(ledger, measured: list[dict], tolerance: float) -> tuple[list
     return rows, failures
 
 
-def check_memory(record: dict, ledger, tolerance: float) -> Check:
-    mem = record.get("memory")
+def check_memory(record: RunRecord, ledger, tolerance: float) -> Check:
+    mem = record.memory
     if not mem:
         return Check("memory", "Memory, plan vs measured per device", False, "no step was measured", {})
     rows, failures = compare_memory(ledger, mem["per_rank"], tolerance)
@@ -135,33 +136,33 @@ def check_memory(record: dict, ledger, tolerance: float) -> Check:
 # ---- (c) training step ----------------------------------------------------------------------
 
 
-def _scaler_skipped(record: dict) -> set[int]:
+def _scaler_skipped(record: RunRecord) -> set[int]:
     """Steps the amp-fp16 GradScaler skipped for inf gradients: AMP working as designed, so their
     (infinite) grad norm is no instability."""
-    if record["config"]["precision"] != "amp-fp16":
+    if record.config["precision"] != "amp-fp16":
         return set()
-    return {s["step"] for s in record["steps"] if s.get("skipped") and not math.isfinite(s["grad_norm"])}
+    return {s["step"] for s in record.steps if s.get("skipped") and not math.isfinite(s["grad_norm"])}
 
 
-def _scaler_free(record: dict) -> list[dict]:
+def _scaler_free(record: RunRecord) -> list[dict]:
     skipped = _scaler_skipped(record)
-    return [s for s in record["steps"] if s["step"] not in skipped]
+    return [s for s in record.steps if s["step"] not in skipped]
 
 
-def check_step(record: dict, overfit: dict | None) -> Check:
-    if record["config"]["mode"] == "inference":
-        finite = math.isfinite(record["eval_before"]["loss"])
+def check_step(record: RunRecord, overfit: RunRecord | None) -> Check:
+    if not record.training:
+        finite = math.isfinite(record.eval_before["loss"])
         return Check(
             "step",
             "Training step",
             None,
             f"inference: no training step (forward loss finite: {finite})",
-            {"eval_loss": record["eval_before"]["loss"]},
+            {"eval_loss": record.eval_before["loss"]},
         )
-    losses = [s["loss"] for s in record["steps"]]
+    losses = [s["loss"] for s in record.steps]
     norms = [s["grad_norm"] for s in _scaler_free(record)]
     finite = all(math.isfinite(x) for x in losses + norms)
-    fit = [s["loss"] for s in overfit["steps"]] if overfit else []
+    fit = [s["loss"] for s in overfit.steps] if overfit else []
     falls = len(fit) >= 2 and all(math.isfinite(x) for x in fit) and fit[-1] < fit[0]
     summary = (
         f"loss and grad norm {'finite' if finite else 'NOT finite'} over {len(losses)} steps; "
@@ -181,29 +182,29 @@ def check_step(record: dict, overfit: dict | None) -> Check:
 # ---- (d) quality ----------------------------------------------------------------------------
 
 
-def check_quality(record: dict) -> Check:
-    before, after = record["eval_before"], record["eval_after"]
-    cfg = record["config"]
-    b = record["batch"]
+def check_quality(record: RunRecord) -> Check:
+    before, after = record.eval_before, record.eval_after
+    cfg = record.config
+    b = record.batch
     settings = {
         "mode": cfg["mode"],
         "precision": cfg["precision"],
-        "model": record["model"].get("name", cfg["model"]["source"]),
+        "model": record.model.get("name", cfg["model"]["source"]),
         "lr": cfg["optim"]["lr"],
-        "steps": len(record["steps"]),
+        "steps": len(record.steps),
         "global_batch": b["global"],
         "seq_len": b["seq_len"],
         "seed": cfg["train"]["seed"],
-        "data": record["data"],
+        "data": record.data,
     }
     evidence = {
         "metric": "held-out mean token cross-entropy (lower is better); perplexity and token accuracy beside it",
         "before": before,
         "after": after,
         "settings": settings,
-        "train_seconds": record.get("train_seconds"),
-        "wall_seconds": record.get("wall_seconds"),
-        "evals": [{"step": s["step"], **s["eval"]} for s in record["steps"] if "eval" in s],
+        "train_seconds": record.train_seconds,
+        "wall_seconds": record.wall_seconds,
+        "evals": [{"step": s["step"], **s["eval"]} for s in record.steps if "eval" in s],
     }
     if cfg["mode"] == "inference":
         ok = math.isfinite(before["loss"]) and before == after
@@ -219,7 +220,7 @@ def check_quality(record: dict) -> Check:
     summary = (
         f"held-out loss {before['loss']:.4f} -> {after['loss']:.4f}, perplexity {before['perplexity']:.2f} -> "
         f"{after['perplexity']:.2f}, token accuracy {before['token_accuracy']:.3f} -> {after['token_accuracy']:.3f} "
-        f"on {after['tokens']} held-out tokens; {settings['steps']} steps in {record.get('train_seconds', 0):.1f} s"
+        f"on {after['tokens']} held-out tokens; {settings['steps']} steps in {record.train_seconds or 0:.1f} s"
     )
     return Check("quality", "Quality (held-out)", ok, summary, evidence)
 
@@ -227,14 +228,14 @@ def check_quality(record: dict) -> Check:
 # ---- (f) instability ------------------------------------------------------------------------
 
 
-def check_instability(record: dict) -> Check:
+def check_instability(record: RunRecord) -> Check:
     """Fails on a non-finite loss or grad norm, or a loss spike. A grad-norm spike that gradient
     clipping bounded, with no loss spike after it, is recorded as a warning: the update was clipped."""
-    if record["config"]["mode"] == "inference":
+    if not record.training:
         return Check("instability", "Instability scan", None, "inference: no training history", {})
     min_history = min(10, guard.WINDOW // 2)
-    scan = guard.scan(record["steps"], min_history=min_history, ignore=_scaler_skipped(record))
-    clip = record["config"]["train"]["max_grad_norm"]
+    scan = guard.scan(record.steps, min_history=min_history, ignore=_scaler_skipped(record))
+    clip = record.config["train"]["max_grad_norm"]
     events = scan["events"]
     failing = [e for e in events if e["kind"] == "non-finite" or e["key"] == "loss"]
     warnings = [e for e in events if e not in failing]
@@ -254,7 +255,7 @@ def check_instability(record: dict) -> Check:
     )
     if warnings:
         summary += "; warning: " + "; ".join(describe(e) for e in warnings[:3]) + f", clipped to {clip:g}"
-    acted = record.get("guard", {}).get("events", [])
+    acted = record.guard_events
     if acted:
         summary += "; the run's guard acted: " + "; ".join(
             f"step {e['step']} {e['key']} {e['kind']} -> {e['action']}" for e in acted[:3]

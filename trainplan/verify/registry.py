@@ -64,14 +64,14 @@ def config_hash(cfg_dict: dict) -> str:
     return hashlib.sha256(json.dumps(cfg_dict, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def row_from_record(record: dict, *, kind: str, verdict: str, device: str) -> dict:
-    """The registry row of a train record (accept adds its verdict)."""
+def row_from_record(record, *, kind: str, verdict: str, device: str) -> dict:
+    """The registry row of a RunRecord (accept adds its verdict)."""
     from trainplan.config import from_dict, to_toml
 
-    cfg = record["config"]
-    rates = sorted(s["tokens_per_s"] for s in record.get("steps", []))
+    cfg = record.config
+    rates = sorted(s["tokens_per_s"] for s in record.steps)
     peaks = {}
-    for rank, m in enumerate((record.get("memory") or {}).get("per_rank", [])):
+    for rank, m in enumerate((record.memory or {}).get("per_rank", [])):
         peaks[f"rank{rank}:{m['device']}"] = m.get("peak_bytes")
     return {
         "kind": kind,
@@ -80,13 +80,13 @@ def row_from_record(record: dict, *, kind: str, verdict: str, device: str) -> di
         "model": cfg["model"]["source"],
         "mode": cfg["mode"],
         "device": device,
-        "devices": record["hardware"]["devices"],
+        "devices": record.hardware["devices"],
         "peaks_json": json.dumps(peaks),
         "metric": "held-out loss",
-        "metric_before": record["eval_before"]["loss"],
-        "metric_after": record["eval_after"]["loss"],
-        "wall_seconds": record.get("wall_seconds"),
-        "train_seconds": record.get("train_seconds"),
+        "metric_before": record.eval_before["loss"],
+        "metric_after": record.eval_after["loss"],
+        "wall_seconds": record.wall_seconds,
+        "train_seconds": record.train_seconds,
         "tokens_per_s": rates[len(rates) // 2] if rates else None,
         "verdict": verdict,
         "output_dir": cfg["train"]["output_dir"],
