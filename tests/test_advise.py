@@ -390,3 +390,11 @@ def test_out_file_trains_as_it_is(tiny_run, tmp_path, capsys, monkeypatch):
     assert cli.main(["train", str(out)]) == 0
     record = json.loads((tmp_path / "run" / "record.json").read_text())
     assert len(record["steps"]) == 2 and record["contract"]["passed"]
+
+
+def test_qlora_on_cuda_is_runnable_and_on_the_cpu_is_not():
+    """advise asks train's own rule (resolve.require_runnable): QLoRA runs on CUDA GPUs."""
+    s, order = advise("Llama-3.1-8B", "--gpus", "RTX4090", "--mode", "qlora", "--top", "0")
+    qlora = [o for o in order if o.rung.mode == "qlora"]
+    assert qlora and all(rank.train_blocker(s, o) in ("", "8-bit AdamW (bitsandbytes)") for o in qlora)
+    assert any(rank.train_blocker(s, o) == "" for o in qlora)

@@ -96,23 +96,21 @@ class NotRunnable(ConfigError):
         super().__init__(field, problem, fix)
 
 
-def require_runnable(
-    cfg: C.RunConfig, *, max_positions: int | None = None, sharded: bool | None = None, cuda: bool
-) -> None:
+def require_runnable(cfg: C.RunConfig, dims: ParallelDims, *, max_positions: int | None = None, cuda: bool) -> None:
     """Refuse what `trainplan train` cannot run. The engine runs data parallelism (DDP, ZeRO-1,
     FSDP2) with torch's optimizers, and QLoRA on CUDA through bitsandbytes without sharding.
 
-    max_positions: the model's context (a longer sequence is refused); sharded: whether the
-    layout shards parameters (FSDP2); cuda: whether the run has CUDA devices."""
-    par = cfg.parallel
-    if par.tp > 1 or par.pp > 1:
+    dims: the layout as it will run (at data-parallel degree 1 every strategy is "single");
+    max_positions: the model's context (a longer sequence is refused); cuda: whether the run has
+    CUDA devices."""
+    if dims.tp > 1 or dims.pp > 1:
         raise NotRunnable(
             "parallel.tp",
             "the training engine runs data parallelism (DDP, ZeRO-1, FSDP2) only",
             "set parallel.tp = 1 and parallel.pp = 1 for `trainplan train`",
             what="tensor/pipeline parallelism",
         )
-    if par.strategy == "zero2":
+    if dims.keeps_grad_partition:
         raise NotRunnable(
             "parallel.strategy",
             "zero2 (DeepSpeed's replicated parameters, sharded gradients) is planned but not run by this engine",
@@ -133,10 +131,10 @@ def require_runnable(
             'run it on CUDA GPUs, or use mode = "lora" here',
             what="QLoRA without CUDA",
         )
-    if cfg.mode == "qlora" and sharded:
+    if cfg.mode == "qlora" and dims.shards_params:
         raise NotRunnable(
             "run.mode",
-            f"qlora with parallel.strategy = {par.strategy} (sharded 4-bit weights) is not run by this engine",
+            f"qlora with parallel.strategy = {dims.strategy} (sharded 4-bit weights) is not run by this engine",
             "use parallel.strategy = ddp",
             what="sharded QLoRA",
         )

@@ -58,6 +58,7 @@ def test_accept_passes_every_check_and_writes_three_reports(accepted):
     assert json.loads(rows[0]["peaks_json"])["rank0:cpu"] == mem["peaks"]["rank 0 (cpu)"]
 
 
+@pytest.mark.multiprocess
 def test_a_wrong_plan_fails_the_memory_check_and_names_the_component(tiny_run, tmp_path):
     """The acceptance cannot pass by construction: halve one activation term of the plan (the
     logits and loss tensors, the largest on this tiny model) and the memory check fails."""

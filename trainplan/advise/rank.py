@@ -54,13 +54,13 @@ def train_blocker(s: Search, o: Outcome) -> str:
     rule `train` applies itself (trainplan/resolve.py `require_runnable`)."""
     cfg = o.rung.config(s.request.base, 1, s.request.global_batch)
     r = o.rung
-    dims = ParallelDims(world_size=r.dp * r.tp * r.pp, dp=r.dp, tp=r.tp, pp=r.pp, strategy=r.strategy)
-    shards = r.dp > 1 and dims.shards_params
+    strategy = r.strategy if r.dp > 1 else "single"
+    dims = ParallelDims(world_size=r.dp * r.tp * r.pp, dp=r.dp, tp=r.tp, pp=r.pp, strategy=strategy)
     try:
         require_runnable(
             cfg,
+            dims,
             max_positions=s.request.spec.max_position_embeddings,
-            sharded=shards,
             cuda=all(d.is_gpu for d in s.devices),
         )
     except NotRunnable as e:

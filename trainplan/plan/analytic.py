@@ -16,8 +16,9 @@ import dataclasses
 
 from trainplan import config as C
 from trainplan.plan import terms as T
+from trainplan.plan.backward import backward_moments
 from trainplan.plan.ledger import DeviceLedger, Ledger
-from trainplan.plan.terms import (
+from trainplan.plan.tensors import (
     BNB_8BIT_MIN_NUMEL,
     BNB_BLOCK,
     NF4_BYTES,
@@ -107,7 +108,7 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
             "comm_buffers": comm.steady,
         },
     }
-    moments = T.backward_moments(ctx, phases["backward"], adapter, grads, acts, comm)
+    moments = backward_moments(ctx, phases["backward"], adapter, grads, acts, comm)
     phases["backward"] = max(moments, key=lambda c: sum(c.values()))
     phases["optimizer"] = {
         "weights": weights.nbytes,

@@ -14,158 +14,25 @@ from typing import NamedTuple
 from trainplan import config as C
 from trainplan.plan import activations as A
 from trainplan.plan.ledger import gib
+from trainplan.plan.tensors import (
+    NF4_BYTES,
+    NF4_CONSTANTS_BYTES,
+    ZERO2_BUCKET_BYTES,
+    _held,
+    _lora_shapes,
+    _numel,
+    _shape_tp,
+    _sharded_numel,
+    _tp_numel,
+    optimizer_state_bytes,
+    optimizer_temp_bytes,
+    zero1_partition,
+)
 from trainplan.resolve import Resolved
 from trainplan.spec.devices import DeviceSpec, MiB
 from trainplan.spec.model import ModelSpec, ParamTensor
 from trainplan.spec.parallel import ParallelDims, ResolvedBatch
 from trainplan.spec.precision import Precision
-
-ROWWISE = frozenset({"o_proj", "down_proj", "c_proj"})  # TP shards their input dim
-NF4_BYTES = 0.5
-# bitsandbytes NF4 with double quantization: one 8-bit absmax per 64 weights, plus one fp32
-# constant per 256 absmax blocks (Dettmers et al. 2023, QLoRA, Sec. 3).
-NF4_CONSTANTS_BYTES = 1 / 64 + 4 / (64 * 256)
-ZERO2_BUCKET_BYTES = 25 * MiB  # torch DDP's default bucket_cap_mb
-BNB_8BIT_MIN_NUMEL = 4096  # bitsandbytes keeps 32-bit states for smaller tensors (min_8bit_size)
-BNB_BLOCK = 256  # blockwise quantization of optimizer states, one fp32 absmax per block
-
-
-# ---- per-rank tensors ----------------------------------------------------------------------
-
-
-def _held(spec: ModelSpec, dims: ParallelDims, stage: int) -> list[ParamTensor]:
-    """Parameter tensors a pipeline stage holds. A tied embedding lives on both end stages."""
-    layers = dims.stage_layers(stage, spec.num_layers)
-    first, last = stage == 0, stage == dims.pp - 1
-    held = []
-    for t in spec.tensors:
-        if t.layer is not None:
-            if t.layer in layers:
-                held.append(t)
-        elif t.role in ("embedding", "position"):
-            if first or (t.role == "embedding" and last and spec.tie_word_embeddings):
-                held.append(t)
-        elif last:
-            held.append(t)
-    return held
-
-
-def _tp_numel(t: ParamTensor, tp: int) -> int:
-    if tp == 1 or t.role in ("norm", "router"):
-        return t.numel
-    if t.role == "bias" and t.module in ROWWISE:
-        return t.numel
-    return -(-t.numel // tp)
-
-
-def _shard(numel_dim0: int, rest: int, n: int) -> int:
-    """FSDP2 shards dim 0, padding it to a multiple of the shard count."""
-    return -(-numel_dim0 // n) * rest
-
-
-def _sharded_numel(t: ParamTensor, tp: int, dp: int) -> int:
-    numel = _tp_numel(t, tp)
-    if dp == 1:
-        return numel
-    dim0 = t.shape[0] if t.numel == numel else max(1, t.shape[0] // tp)
-    return _shard(dim0, numel // max(dim0, 1), dp)
-
-
-def _shape_tp(t: ParamTensor, tp: int) -> tuple[int, ...]:
-    numel = _tp_numel(t, tp)
-    if numel == t.numel:
-        return t.shape
-    return (t.shape[0], numel // t.shape[0]) if len(t.shape) > 1 else (numel,)
-
-
-def _lora_shapes(spec: ModelSpec, r: int, targets: frozenset[str], layers: range, tp: int) -> list[tuple[int, ...]]:
-    shapes = []
-    for _ in layers:
-        for lin in spec.layer_linears:
-            if lin.module in targets:
-                rowwise = lin.module in ROWWISE
-                shapes.append((r, lin.in_features // (tp if rowwise else 1)))  # lora_A
-                shapes.append((lin.out_features // (1 if rowwise else tp), r))  # lora_B
-    return shapes
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-# ---- optimizer -------------------------------------------------------------------------------
-
-
-def zero1_partition(shapes: list[tuple[int, ...]], world: int) -> list[list[tuple[int, ...]]]:
-    """Which tensors' optimizer states each rank holds under torch's ZeroRedundancyOptimizer:
-    largest first, each to the rank with the fewest elements so far (not an even split: one large
-    embedding can put most of the states on one rank)."""
-    parts: list[list[tuple[int, ...]]] = [[] for _ in range(world)]
-    sizes = [0] * world
-    for shape in sorted(shapes, key=_numel, reverse=True):
-        i = sizes.index(min(sizes))
-        parts[i].append(shape)
-        sizes[i] += _numel(shape)
-    return parts
-
-
-def optimizer_state_bytes(name: str, shapes: list[tuple[int, ...]], state_bytes: int, cpu: bool) -> int:
-    """Optimizer state for the trainable tensors `shapes`.
-
-    AdamW: exp_avg + exp_avg_sq in the param dtype (Loshchilov & Hutter 2019; torch.optim.AdamW),
-    plus a `step` scalar per tensor, kept on the CPU (fp32) unless capturable/fused.
-    8-bit AdamW (bitsandbytes): two uint8 states + an fp32 absmax per 256-element block;
-    tensors under 4096 elements keep 32-bit states. SGD with momentum: one buffer.
-    Adafactor (torch.optim.Adafactor): factored second moment, row + column vectors for
-    matrices, a full vector otherwise; no first moment.
-    """
-    steps = 4 * len(shapes) if cpu else 0
-    numel = sum(_numel(s) for s in shapes)
-    if name == "adamw":
-        return 2 * numel * state_bytes + steps
-    if name == "sgd":
-        return 0
-    if name == "sgd-momentum":
-        return numel * state_bytes
-    if name == "adamw-8bit":
-        total = 0
-        for s in shapes:
-            n = _numel(s)
-            total += 2 * n * 4 if n < BNB_8BIT_MIN_NUMEL else 2 * n + 2 * 4 * -(-n // BNB_BLOCK)
-        return total + steps
-    if name == "adafactor":
-        total = 0
-        for s in shapes:
-            if len(s) >= 2:
-                total += (_numel(s[:-1]) + _numel(s[:-2]) * s[-1]) * state_bytes
-            else:
-                total += _numel(s) * state_bytes
-        return total + steps
-    raise AssertionError(name)
-
-
-def optimizer_temp_bytes(name: str, impl: str, shapes: list[tuple[int, ...]], state_bytes: int) -> int:
-    """Temporaries alive inside optimizer.step().
-
-    torch's foreach AdamW (the default on CUDA) computes sqrt(exp_avg_sq) for every tensor at
-    once: one full-size temporary list (torch/optim/adamw.py, `_multi_tensor_adam`). The
-    single-tensor loop (the default on CPU) holds sqrt() and its division for the largest
-    tensor. Fused kernels need none.
-    """
-    if not shapes or name == "sgd" or impl == "fused":
-        return 0
-    if impl == "foreach":
-        return sum(_numel(s) for s in shapes) * state_bytes if name.startswith("adamw") else 0
-    if name not in ("adamw", "adafactor"):
-        return 0
-    # `denom = (exp_avg_sq.sqrt() / c).add_(eps)`: sqrt and quotient of this tensor, while the
-    # previous tensor's denom is still bound to the loop variable.
-    sizes = [_numel(s) * state_bytes for s in shapes]
-    return max(2 * cur + prev for prev, cur in zip([0, *sizes[:-1]], sizes, strict=True))
-
 
 # ---- the per-rank context --------------------------------------------------------------------
 
@@ -651,123 +518,3 @@ def logits_loss(ctx: RankContext, grads: GradTerm) -> LossTerm:
     else:
         logits, note = {"forward": 0, "backward": 0, "backward_grads": 0}, None
     return LossTerm(logits, note)
-
-
-# ---- the backward peak -----------------------------------------------------------------------
-
-
-def backward_moments(
-    ctx: RankContext, start: dict[str, int], adapter: AdapterTerm, grads: GradTerm, acts: ActTerm, comm: CommTerm
-) -> list[dict[str, int]]:
-    """The moments of backward that can be its peak, `start` (the start of backward) first; the
-    plan takes whichever holds the most."""
-    end = _backward_end(ctx, start, adapter, grads, acts, comm)
-    candidates = [start, end]
-    if ctx.dims.reshard_after_forward:
-        # The root unit is resharded after forward and gathered again as backward starts: its
-        # all-gather output buffer and the unsharded parameters exist together for a moment.
-        regather = dict(start)
-        regather["weight_copies"] = 2 * ctx.root_numel * ctx.cb
-        candidates.append(regather)
-    if ctx.fused and ctx.layers and not ctx.cfg.memory.activation_checkpointing:
-        top_layer = _top_layer_mlp_backward(ctx, start, end, adapter, grads, acts)
-        candidates += [top_layer, _final_norm_backward(ctx, start, top_layer, adapter, grads, acts)]
-    if ctx.cfg.memory.activation_checkpointing and ctx.layers:
-        # Checkpointing: the top layer is recomputed while every layer's kept input still exists.
-        top_layer = dict(end)
-        top_layer["gradients"] = grads.live_fwd + (grads.head if ctx.full and ctx.last else 0)
-        top_layer["adapter"] = adapter.live + (adapter.grads if ctx.persistent_grads else 0)
-        top_layer["weight_copies"] = start["weight_copies"]
-        top_layer["activations"] = (
-            acts.first_layer_bwd
-            + ctx.in_flight * acts.step_inputs
-            + ctx.in_flight * (len(ctx.layers) - 1) * acts.layer_in
-        )
-        candidates.append(top_layer)
-    return candidates
-
-
-def _backward_end(
-    ctx: RankContext, start: dict[str, int], adapter: AdapterTerm, grads: GradTerm, acts: ActTerm, comm: CommTerm
-) -> dict[str, int]:
-    # The end of backward: the first layer's backward runs while every later gradient exists.
-    # autocast's weight copies are released layer by layer as backward consumes them
-    end_copies = start["weight_copies"]
-    if ctx.autocast and ctx.full and not ctx.fsdp and ctx.layers:
-        end_copies = sum(_tp_numel(t, ctx.tp) for t in _autocast_cast(ctx) if t.layer == ctx.layers[0]) * ctx.cb
-    end = {
-        "weights": start["weights"],
-        "weight_copies": end_copies,
-        "adapter": adapter.live + adapter.grads,
-        "gradients": max(grads.live_fwd, grads.nbytes - grads.first_layer),
-        "optimizer": start["optimizer"],
-        "activations": acts.first_layer_bwd + ctx.in_flight * acts.step_inputs,
-        "buffers": start["buffers"],
-        "comm_buffers": comm.end,
-    }
-    if ctx.fsdp and ctx.full and ctx.last and ctx.head is not None:
-        # FSDP2 reduce-scatters the root unit's gradients in its final callback, after the whole
-        # backward: the head's unsharded gradient (compute dtype) is still there at the end.
-        end["comm_buffers"] += ctx.head.numel * ctx.cb
-    return end
-
-
-def _top_layer_mlp_backward(
-    ctx: RankContext, start: dict[str, int], end: dict[str, int], adapter: AdapterTerm, grads: GradTerm, acts: ActTerm
-) -> dict[str, int]:
-    # Without the logits buffers, the top layer's MLP backward can be the peak: every layer's
-    # saved tensors, the MLP's intermediate gradients, and the gradients formed so far (head,
-    # final norm, the top layer's down projection).
-    top, cb, tokens, inter = ctx.layers[-1], ctx.cb, ctx.tokens, ctx.inter
-    formed = [
-        t
-        for t in ctx.trainable
-        if (t.layer is None and t.role == "norm")
-        or (t.layer == top and ".mlp." in t.name and t.module in ("down_proj", "c_proj"))
-    ]
-    formed_bytes = sum(_sharded_numel(t, ctx.tp, ctx.shard_g) for t in formed) * ctx.prec.grad_bytes
-    top_down_in = tokens * inter * cb if ctx.full else 0
-    top_layer = dict(end)
-    top_layer["gradients"] = grads.live_fwd if ctx.persistent_grads and ctx.full else grads.head + formed_bytes
-    top_layer["adapter"] = adapter.live + (adapter.grads if ctx.persistent_grads else 0)
-    top_layer["weight_copies"] = start["weight_copies"]
-    top_layer["comm_buffers"] = start["comm_buffers"]  # no unit has finished its backward yet
-    if ctx.fsdp and ctx.full:  # gradients stay unsharded, in the compute dtype, until their unit's reduce-scatter
-        top_layer["gradients"] = 0
-        top_layer["comm_buffers"] += (ctx.head.numel + sum(t.numel for t in formed)) * cb
-    if ctx.dims.reshard_after_forward and len(ctx.layers) > 1:
-        top_layer["weight_copies"] = start["weight_copies"] + ctx.unit_numel * cb  # the next unit, prefetched
-    top_layer["activations"] = (
-        ctx.in_flight * (acts.saved_layers + acts.step_inputs) - top_down_in + 3 * tokens * inter * cb + acts.layer_in
-    )
-    return top_layer
-
-
-def _final_norm_backward(
-    ctx: RankContext,
-    start: dict[str, int],
-    top_layer: dict[str, int],
-    adapter: AdapterTerm,
-    grads: GradTerm,
-    acts: ActTerm,
-) -> dict[str, int]:
-    # An RMSNorm's backward: the final norm's (under LoRA, the top layer's input norm, after
-    # that layer's adapter gradients): every layer's saved tensors, dL/dhidden and the norm's
-    # fp32 (tokens x hidden) temporaries, 2 when the residual stream is fp32 and 4 when it is
-    # upcast or under LoRA (counted on the trace, transformers 5.24's LlamaRMSNorm).
-    temps = 4 if (ctx.residual != 4 or not ctx.full) else 2
-    norm_bwd = dict(top_layer)
-    norm_bwd["gradients"] = grads.live_fwd if ctx.persistent_grads and ctx.full else grads.head
-    norm_bwd["weight_copies"] = start["weight_copies"]
-    norm_bwd["comm_buffers"] = start["comm_buffers"]
-    if ctx.fsdp and ctx.full:
-        norm_bwd["gradients"] = 0
-        norm_bwd["comm_buffers"] += ctx.head.numel * ctx.cb
-    if not ctx.full and not ctx.persistent_grads:
-        norm_bwd["adapter"] = adapter.live + adapter.grads // len(ctx.layers)
-    norm_bwd["activations"] = (
-        ctx.in_flight * (acts.saved_layers + acts.step_inputs)
-        + A.total(acts.head_saved)
-        + ctx.tokens * ctx.spec.hidden_size * (ctx.residual + temps * 4)
-    )
-    return norm_bwd

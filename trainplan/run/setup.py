@@ -50,8 +50,8 @@ def prepare(cfg: C.RunConfig, env: dist.DistEnv) -> Job:
     if directory is not None:  # build from the checkpoint's own transformers config, every field of it
         full_config = json.loads((directory / "config.json").read_text())
         r = dataclasses.replace(r, spec=dataclasses.replace(r.spec, config=full_config))
+    require_runnable(cfg, r.dims, max_positions=r.spec.max_position_embeddings, cuda=env.device.type == "cuda")
     sharded = r.dims.shards_params and env.world > 1
-    require_runnable(cfg, max_positions=r.spec.max_position_embeddings, sharded=sharded, cuda=env.device.type == "cuda")
     torch.manual_seed(cfg.train.seed)
     tokenizer = weights.load_tokenizer(cfg, r.spec)
     train_docs, eval_docs = data.split_documents(data.load_documents(cfg.data.source), cfg.data.eval_fraction)

@@ -11,6 +11,9 @@ from trainplan.config import BatchConfig, ParallelConfig
 from trainplan.errors import ConfigError
 from trainplan.spec.model import ModelSpec
 
+# The strategies FSDP2 runs: parameters sharded (dim 0), gathered per unit.
+PARAM_SHARDING_STRATEGIES = ("zero3", "fsdp-grad-op")
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
@@ -39,7 +42,7 @@ class ParallelDims:
     def shards_params(self) -> bool:
         """zero3 and fsdp-grad-op: FSDP2 (fully_shard) keeps a dim-0 shard of every parameter per rank
         and all-gathers a unit, in the compute dtype, to use it. ddp, zero1 and zero2 replicate them."""
-        return self.strategy in ("zero3", "fsdp-grad-op")
+        return self.strategy in PARAM_SHARDING_STRATEGIES
 
     @property
     def reshard_after_forward(self) -> bool:

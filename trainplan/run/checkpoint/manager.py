@@ -14,6 +14,7 @@ from trainplan.resolve import Resolved
 from trainplan.run import dist
 from trainplan.run.checkpoint import format as ckpt
 from trainplan.run.record import state_hashes
+from trainplan.spec.parallel import PARAM_SHARDING_STRATEGIES
 
 
 def model_fingerprint(r: Resolved) -> str:
@@ -50,8 +51,9 @@ class CheckpointManager:
         self.env, self.batch = env, r.batch
         self.model = getattr(model, "module", model)
         self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.train.output_dir) / "checkpoints"
-        # FSDP2 strategies write DCP shards, readable at any world size (one process included)
-        self.sharded = r.dims.shards_params
+        # FSDP2 strategies write DCP shards, readable at any world size. The configured strategy
+        # decides, not this world's layout: a zero3 run on one process ("single") writes DCP too.
+        self.sharded = cfg.parallel.strategy in PARAM_SHARDING_STRATEGIES
         self.last: Path | None = None
         self.expect = {"model_fingerprint": model_fingerprint(r), "mode": cfg.mode, "compat": compat(r)}
 

@@ -1,0 +1,138 @@
+"""The backward peak of one rank's analytic bill: the moments of backward that can hold the most
+(its start, its end, the top layer's MLP backward, the final norm's backward). Imports no torch.
+"""
+
+from __future__ import annotations
+
+from trainplan.plan import activations as A
+from trainplan.plan.tensors import (
+    _sharded_numel,
+    _tp_numel,
+)
+from trainplan.plan.terms import (
+    ActTerm,
+    AdapterTerm,
+    CommTerm,
+    GradTerm,
+    RankContext,
+    _autocast_cast,
+)
+
+# ---- the backward peak -----------------------------------------------------------------------
+
+
+def backward_moments(
+    ctx: RankContext, start: dict[str, int], adapter: AdapterTerm, grads: GradTerm, acts: ActTerm, comm: CommTerm
+) -> list[dict[str, int]]:
+    """The moments of backward that can be its peak, `start` (the start of backward) first; the
+    plan takes whichever holds the most."""
+    end = _backward_end(ctx, start, adapter, grads, acts, comm)
+    candidates = [start, end]
+    if ctx.dims.reshard_after_forward:
+        # The root unit is resharded after forward and gathered again as backward starts: its
+        # all-gather output buffer and the unsharded parameters exist together for a moment.
+        regather = dict(start)
+        regather["weight_copies"] = 2 * ctx.root_numel * ctx.cb
+        candidates.append(regather)
+    if ctx.fused and ctx.layers and not ctx.cfg.memory.activation_checkpointing:
+        top_layer = _top_layer_mlp_backward(ctx, start, end, adapter, grads, acts)
+        candidates += [top_layer, _final_norm_backward(ctx, start, top_layer, adapter, grads, acts)]
+    if ctx.cfg.memory.activation_checkpointing and ctx.layers:
+        # Checkpointing: the top layer is recomputed while every layer's kept input still exists.
+        top_layer = dict(end)
+        top_layer["gradients"] = grads.live_fwd + (grads.head if ctx.full and ctx.last else 0)
+        top_layer["adapter"] = adapter.live + (adapter.grads if ctx.persistent_grads else 0)
+        top_layer["weight_copies"] = start["weight_copies"]
+        top_layer["activations"] = (
+            acts.first_layer_bwd
+            + ctx.in_flight * acts.step_inputs
+            + ctx.in_flight * (len(ctx.layers) - 1) * acts.layer_in
+        )
+        candidates.append(top_layer)
+    return candidates
+
+
+def _backward_end(
+    ctx: RankContext, start: dict[str, int], adapter: AdapterTerm, grads: GradTerm, acts: ActTerm, comm: CommTerm
+) -> dict[str, int]:
+    # The end of backward: the first layer's backward runs while every later gradient exists.
+    # autocast's weight copies are released layer by layer as backward consumes them
+    end_copies = start["weight_copies"]
+    if ctx.autocast and ctx.full and not ctx.fsdp and ctx.layers:
+        end_copies = sum(_tp_numel(t, ctx.tp) for t in _autocast_cast(ctx) if t.layer == ctx.layers[0]) * ctx.cb
+    end = {
+        "weights": start["weights"],
+        "weight_copies": end_copies,
+        "adapter": adapter.live + adapter.grads,
+        "gradients": max(grads.live_fwd, grads.nbytes - grads.first_layer),
+        "optimizer": start["optimizer"],
+        "activations": acts.first_layer_bwd + ctx.in_flight * acts.step_inputs,
+        "buffers": start["buffers"],
+        "comm_buffers": comm.end,
+    }
+    if ctx.fsdp and ctx.full and ctx.last and ctx.head is not None:
+        # FSDP2 reduce-scatters the root unit's gradients in its final callback, after the whole
+        # backward: the head's unsharded gradient (compute dtype) is still there at the end.
+        end["comm_buffers"] += ctx.head.numel * ctx.cb
+    return end
+
+
+def _top_layer_mlp_backward(
+    ctx: RankContext, start: dict[str, int], end: dict[str, int], adapter: AdapterTerm, grads: GradTerm, acts: ActTerm
+) -> dict[str, int]:
+    # Without the logits buffers, the top layer's MLP backward can be the peak: every layer's
+    # saved tensors, the MLP's intermediate gradients, and the gradients formed so far (head,
+    # final norm, the top layer's down projection).
+    top, cb, tokens, inter = ctx.layers[-1], ctx.cb, ctx.tokens, ctx.inter
+    formed = [
+        t
+        for t in ctx.trainable
+        if (t.layer is None and t.role == "norm")
+        or (t.layer == top and ".mlp." in t.name and t.module in ("down_proj", "c_proj"))
+    ]
+    formed_bytes = sum(_sharded_numel(t, ctx.tp, ctx.shard_g) for t in formed) * ctx.prec.grad_bytes
+    top_down_in = tokens * inter * cb if ctx.full else 0
+    top_layer = dict(end)
+    top_layer["gradients"] = grads.live_fwd if ctx.persistent_grads and ctx.full else grads.head + formed_bytes
+    top_layer["adapter"] = adapter.live + (adapter.grads if ctx.persistent_grads else 0)
+    top_layer["weight_copies"] = start["weight_copies"]
+    top_layer["comm_buffers"] = start["comm_buffers"]  # no unit has finished its backward yet
+    if ctx.fsdp and ctx.full:  # gradients stay unsharded, in the compute dtype, until their unit's reduce-scatter
+        top_layer["gradients"] = 0
+        top_layer["comm_buffers"] += (ctx.head.numel + sum(t.numel for t in formed)) * cb
+    if ctx.dims.reshard_after_forward and len(ctx.layers) > 1:
+        top_layer["weight_copies"] = start["weight_copies"] + ctx.unit_numel * cb  # the next unit, prefetched
+    top_layer["activations"] = (
+        ctx.in_flight * (acts.saved_layers + acts.step_inputs) - top_down_in + 3 * tokens * inter * cb + acts.layer_in
+    )
+    return top_layer
+
+
+def _final_norm_backward(
+    ctx: RankContext,
+    start: dict[str, int],
+    top_layer: dict[str, int],
+    adapter: AdapterTerm,
+    grads: GradTerm,
+    acts: ActTerm,
+) -> dict[str, int]:
+    # An RMSNorm's backward: the final norm's (under LoRA, the top layer's input norm, after
+    # that layer's adapter gradients): every layer's saved tensors, dL/dhidden and the norm's
+    # fp32 (tokens x hidden) temporaries, 2 when the residual stream is fp32 and 4 when it is
+    # upcast or under LoRA (counted on the trace, transformers 5.24's LlamaRMSNorm).
+    temps = 4 if (ctx.residual != 4 or not ctx.full) else 2
+    norm_bwd = dict(top_layer)
+    norm_bwd["gradients"] = grads.live_fwd if ctx.persistent_grads and ctx.full else grads.head
+    norm_bwd["weight_copies"] = start["weight_copies"]
+    norm_bwd["comm_buffers"] = start["comm_buffers"]
+    if ctx.fsdp and ctx.full:
+        norm_bwd["gradients"] = 0
+        norm_bwd["comm_buffers"] += ctx.head.numel * ctx.cb
+    if not ctx.full and not ctx.persistent_grads:
+        norm_bwd["adapter"] = adapter.live + adapter.grads // len(ctx.layers)
+    norm_bwd["activations"] = (
+        ctx.in_flight * (acts.saved_layers + acts.step_inputs)
+        + A.total(acts.head_saved)
+        + ctx.tokens * ctx.spec.hidden_size * (ctx.residual + temps * 4)
+    )
+    return norm_bwd

@@ -1,0 +1,155 @@
+"""Per-rank tensor arithmetic for the analytic plan: which parameter tensors a rank holds, their
+shards under TP and FSDP, LoRA shapes, and the optimizer's state and temporaries. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from trainplan.spec.devices import MiB
+from trainplan.spec.model import ModelSpec, ParamTensor
+from trainplan.spec.parallel import ParallelDims
+
+ROWWISE = frozenset({"o_proj", "down_proj", "c_proj"})  # TP shards their input dim
+NF4_BYTES = 0.5
+# bitsandbytes NF4 with double quantization: one 8-bit absmax per 64 weights, plus one fp32
+# constant per 256 absmax blocks (Dettmers et al. 2023, QLoRA, Sec. 3).
+NF4_CONSTANTS_BYTES = 1 / 64 + 4 / (64 * 256)
+ZERO2_BUCKET_BYTES = 25 * MiB  # torch DDP's default bucket_cap_mb
+BNB_8BIT_MIN_NUMEL = 4096  # bitsandbytes keeps 32-bit states for smaller tensors (min_8bit_size)
+BNB_BLOCK = 256  # blockwise quantization of optimizer states, one fp32 absmax per block
+
+
+# ---- per-rank tensors ----------------------------------------------------------------------
+
+
+def _held(spec: ModelSpec, dims: ParallelDims, stage: int) -> list[ParamTensor]:
+    """Parameter tensors a pipeline stage holds. A tied embedding lives on both end stages."""
+    layers = dims.stage_layers(stage, spec.num_layers)
+    first, last = stage == 0, stage == dims.pp - 1
+    held = []
+    for t in spec.tensors:
+        if t.layer is not None:
+            if t.layer in layers:
+                held.append(t)
+        elif t.role in ("embedding", "position"):
+            if first or (t.role == "embedding" and last and spec.tie_word_embeddings):
+                held.append(t)
+        elif last:
+            held.append(t)
+    return held
+
+
+def _tp_numel(t: ParamTensor, tp: int) -> int:
+    if tp == 1 or t.role in ("norm", "router"):
+        return t.numel
+    if t.role == "bias" and t.module in ROWWISE:
+        return t.numel
+    return -(-t.numel // tp)
+
+
+def _shard(numel_dim0: int, rest: int, n: int) -> int:
+    """FSDP2 shards dim 0, padding it to a multiple of the shard count."""
+    return -(-numel_dim0 // n) * rest
+
+
+def _sharded_numel(t: ParamTensor, tp: int, dp: int) -> int:
+    numel = _tp_numel(t, tp)
+    if dp == 1:
+        return numel
+    dim0 = t.shape[0] if t.numel == numel else max(1, t.shape[0] // tp)
+    return _shard(dim0, numel // max(dim0, 1), dp)
+
+
+def _shape_tp(t: ParamTensor, tp: int) -> tuple[int, ...]:
+    numel = _tp_numel(t, tp)
+    if numel == t.numel:
+        return t.shape
+    return (t.shape[0], numel // t.shape[0]) if len(t.shape) > 1 else (numel,)
+
+
+def _lora_shapes(spec: ModelSpec, r: int, targets: frozenset[str], layers: range, tp: int) -> list[tuple[int, ...]]:
+    shapes = []
+    for _ in layers:
+        for lin in spec.layer_linears:
+            if lin.module in targets:
+                rowwise = lin.module in ROWWISE
+                shapes.append((r, lin.in_features // (tp if rowwise else 1)))  # lora_A
+                shapes.append((lin.out_features // (1 if rowwise else tp), r))  # lora_B
+    return shapes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# ---- optimizer -------------------------------------------------------------------------------
+
+
+def zero1_partition(shapes: list[tuple[int, ...]], world: int) -> list[list[tuple[int, ...]]]:
+    """Which tensors' optimizer states each rank holds under torch's ZeroRedundancyOptimizer:
+    largest first, each to the rank with the fewest elements so far (not an even split: one large
+    embedding can put most of the states on one rank)."""
+    parts: list[list[tuple[int, ...]]] = [[] for _ in range(world)]
+    sizes = [0] * world
+    for shape in sorted(shapes, key=_numel, reverse=True):
+        i = sizes.index(min(sizes))
+        parts[i].append(shape)
+        sizes[i] += _numel(shape)
+    return parts
+
+
+def optimizer_state_bytes(name: str, shapes: list[tuple[int, ...]], state_bytes: int, cpu: bool) -> int:
+    """Optimizer state for the trainable tensors `shapes`.
+
+    AdamW: exp_avg + exp_avg_sq in the param dtype (Loshchilov & Hutter 2019; torch.optim.AdamW),
+    plus a `step` scalar per tensor, kept on the CPU (fp32) unless capturable/fused.
+    8-bit AdamW (bitsandbytes): two uint8 states + an fp32 absmax per 256-element block;
+    tensors under 4096 elements keep 32-bit states. SGD with momentum: one buffer.
+    Adafactor (torch.optim.Adafactor): factored second moment, row + column vectors for
+    matrices, a full vector otherwise; no first moment.
+    """
+    steps = 4 * len(shapes) if cpu else 0
+    numel = sum(_numel(s) for s in shapes)
+    if name == "adamw":
+        return 2 * numel * state_bytes + steps
+    if name == "sgd":
+        return 0
+    if name == "sgd-momentum":
+        return numel * state_bytes
+    if name == "adamw-8bit":
+        total = 0
+        for s in shapes:
+            n = _numel(s)
+            total += 2 * n * 4 if n < BNB_8BIT_MIN_NUMEL else 2 * n + 2 * 4 * -(-n // BNB_BLOCK)
+        return total + steps
+    if name == "adafactor":
+        total = 0
+        for s in shapes:
+            if len(s) >= 2:
+                total += (_numel(s[:-1]) + _numel(s[:-2]) * s[-1]) * state_bytes
+            else:
+                total += _numel(s) * state_bytes
+        return total + steps
+    raise AssertionError(name)
+
+
+def optimizer_temp_bytes(name: str, impl: str, shapes: list[tuple[int, ...]], state_bytes: int) -> int:
+    """Temporaries alive inside optimizer.step().
+
+    torch's foreach AdamW (the default on CUDA) computes sqrt(exp_avg_sq) for every tensor at
+    once: one full-size temporary list (torch/optim/adamw.py, `_multi_tensor_adam`). The
+    single-tensor loop (the default on CPU) holds sqrt() and its division for the largest
+    tensor. Fused kernels need none.
+    """
+    if not shapes or name == "sgd" or impl == "fused":
+        return 0
+    if impl == "foreach":
+        return sum(_numel(s) for s in shapes) * state_bytes if name.startswith("adamw") else 0
+    if name not in ("adamw", "adafactor"):
+        return 0
+    # `denom = (exp_avg_sq.sqrt() / c).add_(eps)`: sqrt and quotient of this tensor, while the
+    # previous tensor's denom is still bound to the loop variable.
+    sizes = [_numel(s) * state_bytes for s in shapes]
+    return max(2 * cur + prev for prev, cur in zip([0, *sizes[:-1]], sizes, strict=True))
