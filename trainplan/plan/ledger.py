@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainplan.spec.devices import DeviceSpec, GiB
+from trainplan.spec.devices import DeviceSpec, GiB, format_gib
 
 SCHEMA = "trainplan.plan/1"
 
@@ -216,7 +216,7 @@ class Ledger:
 def gib(n: int) -> str:
     """Human bytes: GiB from 1 GiB up, MiB below."""
     if abs(n) >= GiB:
-        return f"{n / GiB:.2f} GiB"
+        return format_gib(n)
     return f"{n / (1 << 20):.1f} MiB"
 
 

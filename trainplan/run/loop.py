@@ -49,14 +49,12 @@ class Trainer:
         self.before = contract.snapshot(self.model)
         self.record = record.header(job)
         self.state: TrainState | None = None
-        batch = job.resolved.batch
         self.settings = step.StepSettings(
             prec=job.resolved.precision,
             device_type=job.env.device.type,
             max_grad_norm=job.cfg.train.max_grad_norm,
             grad_scale=float(job.env.world),
         )
-        self.per_step = batch.micro_batch_size * batch.grad_accum_steps
 
     def evaluate(self) -> dict:
         job = self.job
