@@ -87,6 +87,7 @@ def tiny_run(tmp_path_factory):
     transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(root / "weights")
     base = [
         f"model.source={root / 'config.json'}",
+        "model.init=random",
         f"data.source={corpus}",
         "data.eval_fraction=0.34",
         "batch.seq_len=32",

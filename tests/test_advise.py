@@ -379,6 +379,7 @@ def test_out_file_trains_as_it_is(tiny_run, tmp_path, capsys, monkeypatch):
     out = tmp_path / "chosen.toml"
     settings = [
         f"data.source={corpus}",
+        "model.init=random",
         "data.eval_fraction=0.34",
         "train.steps=2",
         "train.eval_batches=2",

@@ -54,7 +54,9 @@ SCHEDULES = ("constant", "cosine")
 @dataclass(kw_only=True)
 class ModelConfig:
     source: str = "default"  # "default" (embedded SmolLM2-135M), preset, HF dir, config.json, .gguf
-    init: str = "auto"  # auto: pretrained weights for HF dirs and GGUF files, random for presets/config.json
+    # auto / pretrained: load the source's weights (an HF dir, a .gguf, the default); a preset or a
+    # config.json has none and is refused by train. random: train from scratch, asked for explicitly.
+    init: str = "auto"
     cache_dir: str = "~/.cache/trainplan"  # GGUF files are converted once to safetensors here
 
     def __post_init__(self) -> None:

@@ -156,6 +156,7 @@ TRAIN_BAD_INPUTS = [
     (["--data", "/nonexistent.txt"], "data.source: no such file or directory '/nonexistent.txt'"),
     (["--mode", "lora", "--lora-targets", "qkv"], "lora.target_modules: 'qkv' matches no linear layer"),
     (["--mode", "qlora"], "run.mode: qlora needs CUDA GPUs"),
+    (["--model", "SmolLM2-135M", "--set", "model.init=auto"], "model.source: 'SmolLM2-135M' describes an architecture"),
     (["--global-batch", "3", "--micro-batch", "2"], "batch.global_batch_size: 3 is not divisible"),
 ]
 
@@ -218,3 +219,12 @@ def test_golden_losses(tiny_run, tmp_path):
     record = run(tiny_run, tmp_path, "mode=full", "train.steps=5", "train.eval_batches=1", "train.measure_memory=false")
     losses = [s["loss"] for s in record["steps"]]
     assert losses == pytest.approx(GOLDEN_LOSSES, rel=1e-5)
+
+
+def test_a_preset_trains_only_when_random_weights_are_asked_for(tiny_run, tmp_path):
+    """A preset names an architecture, not weights: `train --model SmolLM2-135M` once fine-tuned a
+    random model to a held-out loss of 10.96 and said nothing."""
+    for source in ("SmolLM2-135M", str(tiny_run[0] / "config.json")):
+        with pytest.raises(ConfigError, match=r"^model.source: .* carries no weights.*model.init = \"random\""):
+            run(tiny_run, tmp_path, f"model.source={source}", "model.init=auto")
+    assert not (tmp_path / "record.json").exists()

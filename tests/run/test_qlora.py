@@ -41,7 +41,9 @@ def tiny_source(tmp_path):
 
 
 def qlora_cfg(source, *extra):
-    return C.load(None, [f"model.source={source}", "mode=qlora", "hardware.gpus=H100-80GB", *extra])
+    return C.load(
+        None, [f"model.source={source}", "model.init=random", "mode=qlora", "hardware.gpus=H100-80GB", *extra]
+    )
 
 
 def load(cfg, *, seed=0):

@@ -35,6 +35,22 @@ def test_unknown_device_suggests_catalog_names():
         D.parse_devices("H10-80GB")
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("4090", "'4090' is neither a device nor a size; for the GPU write RTX4090; for a size write 4090GiB"),
+        ("2x4090", "'4090' is neither a device nor a size; for the GPU write RTX4090"),
+        ("A100-80GB,24", "'24' is neither a device nor a size; for a size write 24GiB"),
+    ],
+)
+def test_a_bare_number_is_never_read_as_gib(text, message):
+    """`--gpus 2x4090` once planned two GPUs of 4090 GiB each, and said FITS."""
+    with pytest.raises(ConfigError, match="^hardware.gpus: " + message):
+        D.parse_devices(text)
+    with pytest.raises(ConfigError, match="^hardware.gpu_mem: '24' has no unit; write it like 24GiB"):
+        D.parse_devices("A100-80GB", gpu_mem="24")
+
+
 def test_catalog_has_required_devices_with_bf16_flags():
     for name in (
         "A100-40GB",
@@ -56,13 +72,13 @@ def test_catalog_has_required_devices_with_bf16_flags():
 
 
 @pytest.mark.parametrize(
-    ("text", "expected"), [("24GiB", 24 * 2**30), ("80GB", 80 * 10**9), ("512MiB", 512 * 2**20), ("2", 2 * 2**30)]
+    ("text", "expected"), [("24GiB", 24 * 2**30), ("80GB", 80 * 10**9), ("512MiB", 512 * 2**20), ("2 TiB", 2 * 2**40)]
 )
 def test_parse_size(text, expected):
     assert D.parse_size(text, "f") == expected
 
 
-@pytest.mark.parametrize("text", ["-1GiB", "lots", "0GiB"])
+@pytest.mark.parametrize("text", ["-1GiB", "lots", "0GiB", "24"])
 def test_parse_size_rejects(text):
     with pytest.raises(ConfigError, match="^f: "):
         D.parse_size(text, "f")

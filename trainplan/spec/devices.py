@@ -105,11 +105,14 @@ _UNITS = {
 
 
 def parse_size(text: str, field: str) -> int:
-    """'24GiB' -> bytes. GiB/MiB are binary, GB/MB decimal; a bare number is GiB."""
+    """'24GiB' -> bytes. GiB/MiB are binary, GB/MB decimal. A bare number is refused: its unit
+    would be a guess (and `--gpus 4090` usually means a GPU, not 4090 GiB)."""
     m = _SIZE_RE.match(str(text))
     if not m:
         raise ConfigError(field, f"cannot read size {text!r}", "write it like 24GiB or 80GB")
-    value = float(m.group(1)) * _UNITS[(m.group(2) or "GiB").lower()]
+    if m.group(2) is None:
+        raise ConfigError(field, f"{str(text).strip()!r} has no unit", "write it like 24GiB or 80GB")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if value <= 0:
         raise ConfigError(field, f"size must be positive (got {text!r})", "give a positive size")
     return int(value)
@@ -145,6 +148,13 @@ def lookup(name: str, field: str = "hardware.gpus") -> DeviceSpec:
     dev = _BY_KEY.get(_key(name))
     if dev is not None:
         return dev
+    bare = re.fullmatch(r"\s*\d+(?:\.\d+)?\s*", name)
+    if bare:  # a model number or a size without its unit: say which devices it could mean
+        named = [n for n in CATALOG if name.strip() in n]
+        hint = f"for the GPU write {' or '.join(named)}; " if named else ""
+        raise ConfigError(
+            field, f"{name.strip()!r} is neither a device nor a size", f"{hint}for a size write {name.strip()}GiB"
+        )
     if _SIZE_RE.match(name):
         cap = parse_size(name, field)
         return DeviceSpec(
