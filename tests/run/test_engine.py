@@ -228,3 +228,13 @@ def test_a_preset_trains_only_when_random_weights_are_asked_for(tiny_run, tmp_pa
         with pytest.raises(ConfigError, match=r"^model.source: .* carries no weights.*model.init = \"random\""):
             run(tiny_run, tmp_path, f"model.source={source}", "model.init=auto")
     assert not (tmp_path / "record.json").exists()
+
+
+def test_a_one_step_lora_run_keeps_its_contract(tiny_run, tmp_path):
+    """PEFT's lora_B starts at zero, so lora_A's first gradient is zero: after one update the
+    contract asks every lora_B to have moved, and lora_A from the second update on."""
+    one = run(tiny_run, tmp_path / "one", "mode=lora", "train.steps=1", "train.measure_memory=false")
+    assert one["contract"]["passed"], one["contract"]["detail"]
+    assert "lora_B tensors changed" in one["contract"]["detail"]
+    two = run(tiny_run, tmp_path / "two", "mode=lora", "train.steps=2", "train.measure_memory=false")
+    assert two["contract"]["passed"] and "adapter tensors changed" in two["contract"]["detail"]

@@ -2,7 +2,7 @@
 
 | mode      | contract                                                   |
 |-----------|------------------------------------------------------------|
-| lora      | base weights bitwise unchanged; every adapter tensor changed |
+| lora      | base weights bitwise unchanged; every adapter tensor changed (after one update: every lora_B) |
 | full      | every trainable tensor changed                              |
 | inference | nothing changed; no gradient exists                         |
 """
@@ -40,7 +40,11 @@ class ContractResult:
         }
 
 
-def check(mode: str, model: nn.Module, before: dict[str, torch.Tensor], *, optimizer=None) -> ContractResult:
+def check(
+    mode: str, model: nn.Module, before: dict[str, torch.Tensor], *, optimizer=None, updates: int | None = None
+) -> ContractResult:
+    """updates: optimizer updates this run applied. PEFT initialises lora_B to zero, so lora_A's
+    gradient is zero at the first update: after exactly one, only lora_B can have changed."""
     after = {n: to_local(p).detach().cpu() for n, p in model.named_parameters()}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     changed = {n for n in after if not torch.equal(after[n], before[n])}
@@ -54,11 +58,17 @@ def check(mode: str, model: nn.Module, before: dict[str, torch.Tensor], *, optim
         )
     elif mode in ("lora", "qlora"):
         base_changed = sorted(changed - trainable)
-        adapters_still = sorted(trainable - changed)
-        ok = not base_changed and not adapters_still and bool(trainable)
+        expected = {n for n in trainable if "lora_A" not in n} if updates == 1 else trainable
+        adapters_still = sorted(expected - changed)
+        ok = not base_changed and not adapters_still and bool(expected)
+        which = (
+            f"all {len(expected)} lora_B tensors changed (lora_A cannot change at the first update: PEFT "
+            "initialises lora_B to zero)"
+            if expected != trainable
+            else f"all {len(trainable)} adapter tensors changed"
+        )
         detail = (
-            f"base bitwise unchanged ({len(after) - len(trainable)} tensors); all {len(trainable)} adapter "
-            "tensors changed"
+            f"base bitwise unchanged ({len(after) - len(trainable)} tensors); {which}"
             if ok
             else f"base tensors changed: {base_changed[:3]}; adapter tensors unchanged: {adapters_still[:3]}"
         )

@@ -34,7 +34,10 @@ def run(cfg: C.RunConfig, *, quiet: bool = False) -> tuple[record.RunRecord, dis
         trainer.infer()
     rec.eval_after = trainer.evaluate()
     optimizer = trainer.state.optimizer if trainer.state else None
-    rec.contract = contract.check(cfg.mode, trainer.model, trainer.before, optimizer=optimizer).to_json()
+    updates = sum(not s.get("skipped") for s in rec.steps)
+    rec.contract = contract.check(
+        cfg.mode, trainer.model, trainer.before, optimizer=optimizer, updates=updates
+    ).to_json()
     rec.wall_seconds = time.perf_counter() - t_start
     return rec, env
 
