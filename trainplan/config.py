@@ -129,7 +129,7 @@ class TrainConfig:
 
 
 GUARD_ACTIONS = ("skip", "rollback", "stop")
-INJECT_KINDS = ("nan-loss", "nan-grad", "spike")
+INJECT_KINDS = ("nan-loss", "nan-grad", "spike", "sigint")  # sigint@N: this process gets SIGINT at step N
 
 
 @dataclass(kw_only=True)

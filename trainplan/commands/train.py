@@ -39,6 +39,9 @@ def summary(record) -> list[str]:
         f"contract ({contract['mode']}): {'PASS' if contract['passed'] else 'FAIL'} - {contract['detail']}",
         f"record: {Path(record.config['train']['output_dir']) / 'record.json'}",
     ]
+    if record.interrupted:
+        it = record.interrupted
+        lines.append(f"interrupted by {it['signal']} after step {it['step']}: checkpoint and result saved")
     if record.stopped:
         ev = record.stopped
         lines.append(
@@ -85,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     rec, env = execute(config_from_args(args), args.registry)
     if env.is_main:
         print("\n".join(summary(rec)))
+    if rec.interrupted:  # the shell's convention: 128 + the signal (130 Ctrl-C, 143 SIGTERM)
+        return dist.finish(env, rec.interrupted["code"])
     if rec.stopped:
         return dist.finish(env, EXIT_GUARD_STOP)
     return dist.finish(env, 0 if rec.passed else 1)

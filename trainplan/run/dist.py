@@ -36,6 +36,10 @@ class DistEnv:
         dist.all_reduce(out, op=dist.ReduceOp.MAX)
         return out.cpu()
 
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
     def gather(self, obj) -> list:
         """Every rank's `obj`, in rank order (on every rank)."""
         if self.world == 1:

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import signal
 import sys
+import threading
 import time
+from pathlib import Path
 
 import torch
 
 from trainplan import config as C
-from trainplan.run import contract, dist, evaluate, measure, record, step
+from trainplan.run import contract, dist, evaluate, measure, record, result, step
 from trainplan.run.checkpoint.manager import CheckpointManager
 from trainplan.run.guard import StepGuard
 from trainplan.run.setup import Job, TrainState, prepare, train_state
@@ -25,13 +29,14 @@ def run(cfg: C.RunConfig, *, quiet: bool = False) -> tuple[record.RunRecord, dis
     """Run the job described by cfg; returns the run record and the process group's environment."""
     env = dist.init()
     t_start = time.perf_counter()
-    trainer = Trainer(prepare(cfg, env), quiet=quiet)
-    rec = trainer.record
-    rec.eval_before = trainer.evaluate()
-    if trainer.job.training:
-        trainer.train()
-    else:
-        trainer.infer()
+    with Interrupts() as interrupts:
+        trainer = Trainer(prepare(cfg, env), quiet=quiet)
+        rec = trainer.record
+        rec.eval_before = trainer.evaluate()
+        if trainer.job.training:
+            trainer.train(interrupts)
+        else:
+            trainer.infer()
     rec.eval_after = trainer.evaluate()
     optimizer = trainer.state.optimizer if trainer.state else None
     updates = sum(not s.get("skipped") for s in rec.steps)
@@ -87,8 +92,9 @@ class Trainer:
             rec.memory = {"step": 0, "per_rank": env.gather(meter.result())}
         rec.generation = generate(self.model, job.tokenizer, env)
 
-    def train(self) -> None:
+    def train(self, interrupts: Interrupts | None = None) -> None:
         cfg, rec = self.job.cfg, self.record
+        interrupts = interrupts or Interrupts()
         state = self.state = train_state(self.job, self.model)
         ckpt = CheckpointManager(self.job.resolved, self.env, self.model)
         rec.resume = ckpt.maybe_resume(state, self.model)
@@ -100,6 +106,14 @@ class Trainer:
         rec.guard = {"events": state.guard.events, "settings": dataclasses.asdict(cfg.guard)}
         t_train = time.perf_counter()
         while state.step < cfg.train.steps:
+            signum = interrupts.agreed(self.env)
+            if signum:  # at a step boundary: keep a checkpoint of where the run got to
+                if state.step > start:
+                    ckpt.save(state, force=True)
+                rec.interrupted = {"signal": signal.Signals(signum).name, "code": 128 + signum, "step": state.step}
+                break
+            if "sigint" in injections.get(state.step + 1, ()):  # fault injection (tests): Ctrl-C now
+                os.kill(os.getpid(), signal.SIGINT)
             entry = self.step(
                 state, guard, fixed, metered=state.step == measure_at, inject=injections.pop(state.step + 1, ())
             )
@@ -124,6 +138,7 @@ class Trainer:
         rec.train_seconds = time.perf_counter() - t_train
         rec.sampler = state.sampler.state_dict()
         rec.final = record.fingerprints(self.model, state, self.job.resolved.batch)
+        rec.result = result.save(self.model, self.job.tokenizer, cfg.mode, Path(cfg.train.output_dir), self.env)
 
     def step(self, state: TrainState, guard: StepGuard, fixed: list, *, metered: bool, inject) -> dict:
         """One optimizer step over the accumulation window; appends and returns its record entry."""
@@ -198,3 +213,36 @@ def generate(model, tokenizer, env: dist.DistEnv, prompt: str = "def fibonacci(n
     with torch.inference_mode():
         out = model.generate(ids, max_new_tokens=tokens, do_sample=False)
     return {"prompt": prompt, "completion": tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)}
+
+
+class Interrupts:
+    """SIGINT and SIGTERM stop the run at the next step boundary instead of mid-step: the handler
+    only records the signal (a second one interrupts at once). Every rank agrees on it before
+    acting, so all of them write the same checkpoint. Installed in the main thread only."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))  # a second signal acts at once
+
+    def __enter__(self) -> Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def agreed(self, env: dist.DistEnv) -> int:
+        """The signal any rank received (the same on every rank), or 0."""
+        if env.world == 1:
+            return self.received
+        return int(env.all_reduce_max(torch.tensor(float(self.received))))

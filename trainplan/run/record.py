@@ -51,6 +51,8 @@ class RunRecord:
     stopped: dict | None = None  # the event that stopped the run
     sampler: dict | None = None  # the data position at the end
     final: dict | None = None  # weights / optimizer hashes and the next batch (verify-resume)
+    result: dict | None = None  # where the trained model or adapter was saved, and in what format
+    interrupted: dict | None = None  # SIGINT / SIGTERM: the signal and the step the run stopped after
     registry_id: int | None = None
 
     @property

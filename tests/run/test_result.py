@@ -1,0 +1,74 @@
+"""The result of every run, saved at its end in the ecosystem's format, whatever checkpoint.every is."""
+
+import json
+
+import pytest
+
+from trainplan import config as C
+from trainplan.commands.train import execute
+from trainplan.run import checkpoint, dist, evaluate, setup
+from trainplan.spec.precision import PRECISIONS
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def cfg_for(tiny_run, out, *extra):
+    root, base = tiny_run  # root / "weights": the tiny Llama saved with its tokenizer
+    settings = [*base, f"model.source={root / 'weights'}", "model.init=auto", f"train.output_dir={out}"]
+    return C.load(None, [*settings, "train.measure_memory=false", *extra])
+
+
+def test_a_lora_run_leaves_a_peft_adapter_with_the_runs_weights(tiny_run, tmp_path):
+    from peft import PeftModel
+
+    cfg = cfg_for(tiny_run, tmp_path, "mode=lora", "train.steps=3", "checkpoint.every=50")
+    record = execute(cfg, quiet=True)[0].to_json()
+    result = record["result"]
+    assert result["format"] == "peft-adapter" and not (tmp_path / "checkpoints").exists()  # 3 steps, every 50
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= set(result["files"])
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_run[0] / "weights"), dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, result["path"], is_trainable=True)
+    weights = sorted(checkpoint.trainable_state(loaded).items())
+    assert len(weights) == 2 * 2 * 2  # lora_A and lora_B on q_proj and v_proj of 2 layers
+    assert checkpoint.tensor_hash(weights) == record["final"]["weights_hash"]  # bitwise the run's
+    transformers.AutoTokenizer.from_pretrained(result["path"])
+
+
+def test_a_full_run_leaves_a_model_that_reproduces_its_held_out_loss(tiny_run, tmp_path):
+    cfg = cfg_for(tiny_run, tmp_path, "mode=full", "train.steps=2")
+    record = execute(cfg, quiet=True)[0].to_json()
+    assert record["result"]["format"] == "transformers"
+    model = transformers.AutoModelForCausalLM.from_pretrained(record["result"]["path"], dtype=torch.float32)
+    job = setup.prepare(cfg, dist.init())  # the same held-out split and packing
+    again = evaluate.evaluate(
+        model,
+        job.eval.ids,
+        job.eval.labels,
+        micro_batch=cfg.batch.micro_batch_size,
+        max_batches=cfg.train.eval_batches,
+        prec=PRECISIONS[cfg.precision],
+        device=torch.device("cpu"),
+    )
+    assert again["loss"] == pytest.approx(record["eval_after"]["loss"], rel=1e-6)
+    assert again["loss"] < record["eval_before"]["loss"]
+
+
+def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint_and_the_result(tiny_run, tmp_path, capsys):
+    """SIGINT at step 2 (a real signal to this process): the step finishes, a checkpoint and the
+    result are written, the exit code is 130 and no traceback; resume=auto then finishes the run."""
+    from trainplan import cli
+
+    root, base = tiny_run
+    out, ck = tmp_path / "run", tmp_path / "ck"
+    sets = [*base, "mode=lora", "train.steps=4", "checkpoint.every=0", f"checkpoint.dir={ck}", "train.eval_batches=1"]
+    args = ["train", *(x for s in sets for x in ("--set", s)), "--output-dir", str(out), "--registry", "off"]
+    assert cli.main([*args, "--set", "guard.inject=['sigint@2']"]) == 130
+    printed = capsys.readouterr()
+    assert "interrupted by SIGINT after step 2: checkpoint and result saved" in printed.out
+    assert "Traceback" not in printed.err
+    assert checkpoint.validate(ck / "step-00000002") is None and not (ck / "step-00000003").exists()
+    assert (out / "result" / "adapter_model.safetensors").is_file()
+    assert cli.main([*args, "--set", "checkpoint.resume='auto'"]) == 0
+    record = json.loads((out / "record.json").read_text())
+    assert record["resume"]["step"] == 2 and [s["step"] for s in record["steps"]] == [3, 4]
