@@ -7,6 +7,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from trainplan.errors import ConfigError
+
 
 def write_atomic(path: str | Path, text: str) -> None:
     """Write to a temporary file beside `path`, fsync, then rename: never a half-written file."""
@@ -49,3 +51,20 @@ def sha256_file(path: Path) -> str:
 def short_hash(obj: str | bytes, length: int = 16) -> str:
     """A stable short fingerprint of a string (a config, a model description)."""
     return hashlib.sha256(obj.encode() if isinstance(obj, str) else obj).hexdigest()[:length]
+
+
+def require_writable(path: str | Path, field: str) -> None:
+    """Refuse a directory this process cannot create or write, before any work starts, and
+    without creating anything: a probe file in its nearest existing ancestor, removed at once."""
+    probe = Path(path).expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(field, f"{str(path)!r} cannot be created: {str(probe)!r} is a file", "choose a directory")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            field, f"{str(path)!r} is not writable ({e.strerror})", "choose a directory this user can write"
+        ) from None

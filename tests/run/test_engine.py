@@ -238,3 +238,14 @@ def test_a_one_step_lora_run_keeps_its_contract(tiny_run, tmp_path):
     assert "lora_B tensors changed" in one["contract"]["detail"]
     two = run(tiny_run, tmp_path / "two", "mode=lora", "train.steps=2", "train.measure_memory=false")
     assert two["contract"]["passed"] and "adapter tensors changed" in two["contract"]["detail"]
+
+
+def test_an_unwritable_output_dir_is_refused_before_anything_loads(tiny_run, tmp_path):
+    """The record of a run that cannot be written must never be trained for."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"^train.output_dir: .* cannot be created: .* is a file; choose a directory"):
+        run(tiny_run, blocker / "out")
+    with pytest.raises(ConfigError, match=r"^checkpoint.dir: .* is a file"):
+        run(tiny_run, tmp_path / "out", f"checkpoint.dir={blocker / 'ck'}")
+    assert not (tmp_path / "out").exists()  # nothing half-written

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from trainplan import config as C
+from trainplan.files import require_writable
 from trainplan.resolve import Resolved, require_runnable, resolve
 from trainplan.run import data, dist, guard, step, weights
 from trainplan.run.record import device_label
@@ -46,15 +47,20 @@ def prepare(cfg: C.RunConfig, env: dist.DistEnv) -> Job:
     then build data and model."""
     cfg = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, gpus=device_label(env)))
     r = resolve(cfg)
+    require_runnable(cfg, r.dims, max_positions=r.spec.max_position_embeddings, cuda=env.device.type == "cuda")
+    # what can fail fast does, before any weights or tokenizer load: where the run writes, the data
+    require_writable(cfg.train.output_dir, "train.output_dir")
+    if cfg.checkpoint.dir:
+        require_writable(cfg.checkpoint.dir, "checkpoint.dir")
+    documents = data.load_documents(cfg.data.source)
     directory = weights.weights_dir(cfg) if weights.is_pretrained(cfg) else None
     if directory is not None:  # build from the checkpoint's own transformers config, every field of it
         full_config = json.loads((directory / "config.json").read_text())
         r = dataclasses.replace(r, spec=dataclasses.replace(r.spec, config=full_config))
-    require_runnable(cfg, r.dims, max_positions=r.spec.max_position_embeddings, cuda=env.device.type == "cuda")
     sharded = r.dims.shards_params and env.world > 1
     torch.manual_seed(cfg.train.seed)
     tokenizer = weights.load_tokenizer(cfg, r.spec)
-    train_docs, eval_docs = data.split_documents(data.load_documents(cfg.data.source), cfg.data.eval_fraction)
+    train_docs, eval_docs = data.split_documents(documents, cfg.data.eval_fraction)
     seq, vocab = r.batch.seq_len, r.spec.vocab_size
     train, held_out = (Split(docs, *data.pack(docs, tokenizer, seq, vocab)) for docs in (train_docs, eval_docs))
     mesh = dist.mesh(env) if sharded else None
