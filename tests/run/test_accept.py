@@ -116,6 +116,7 @@ def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+@pytest.mark.multiprocess
 def test_html_report_renders_its_plots_in_a_headless_browser(accepted, tmp_path):
     _, out, _, _ = accepted
     page = (out / "accept.html").read_text()

@@ -138,13 +138,21 @@ def build_model(
 
 
 def allocate(model: nn.Module, device: torch.device | str) -> nn.Module:
-    """to_empty, then re-tie: to_empty gives each module its own copy of a shared parameter."""
+    """to_empty, then re-tie. to_empty gives each module its own copy of a shared parameter, so a
+    tied output head is taken out first: the vocabulary-sized matrix is allocated once, not twice."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    tied = getattr(base.config, "tie_word_embeddings", False)
+    head = base.get_output_embeddings() if tied else None
+    shared = head is not None and head.weight is base.get_input_embeddings().weight
+    if shared:
+        del head.weight
     if qlora.is_4bit(model):
         qlora.allocate(model, device)
     else:
         model.to_empty(device=device)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if getattr(base.config, "tie_word_embeddings", False):
+    if tied:
+        if shared:
+            head.weight = base.get_input_embeddings().weight
         base.tie_weights()
     return model
 

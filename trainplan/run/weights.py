@@ -116,9 +116,6 @@ def load_model(
     """Build through run/build.py, then load pretrained weights or initialize randomly.
 
     allow_cpu: qlora on bitsandbytes' CPU backend (tests only)."""
-    from safetensors.torch import load_file
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     model = build.build_model(spec, cfg, prec, dims=dims, mesh=mesh, allow_cpu=allow_cpu)
     if not is_pretrained(cfg):
         return build.materialize(model, device)
@@ -133,24 +130,15 @@ def load_model(
     # rotary buffers and adapters; the weights are overwritten below, and quantized after that (qlora)
     build.materialize(model, device, quantize=False)
     four_bit = qlora.is_4bit(model)
-    state = {}
-    for f in files:
-        try:  # qlora: the 16-bit weights stay on the host; only their 4-bit packing reaches the device
-            state.update(load_file(str(f), device="cpu" if four_bit else str(device)))
-        except Exception as e:  # safetensors raises on truncated or corrupt files
-            raise ConfigError(
-                "model.source",
-                f"corrupt weights file {str(f)!r} ({e})".splitlines()[0],
-                "re-download or re-convert the model",
-            ) from None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     # PEFT wraps targeted linears: their weight is `<module>.base_layer.weight`; adapters are new.
     own = {k: v for k, v in base.state_dict().items() if "lora_" not in k}
     source_name = {k: k.replace(".base_layer", "") for k in own}
+    where = _tensor_files(files)
     missing = [
         k
         for k, src in source_name.items()
-        if src not in state and not (spec.tie_word_embeddings and src == "lm_head.weight")
+        if src not in where and not (spec.tie_word_embeddings and src == "lm_head.weight")
     ]
     if missing:
         raise ConfigError(
@@ -158,17 +146,102 @@ def load_model(
             f"weights are missing {len(missing)} tensors, e.g. {source_name[missing[0]]}",
             "the directory does not hold this architecture's weights",
         )
+    # Copied from the memory-mapped file straight into the model's own storage, a tensor at a time:
+    # nothing is allocated beside the model, so the load peak is the model itself (qlora: the
+    # 16-bit weights stay on the host; only their 4-bit packing reaches the device).
     with torch.no_grad():
         for name, tensor in own.items():
-            src = state.get(source_name[name])
-            if src is None:
-                continue
-            if src.shape != tensor.shape:
-                raise TrainplanError(
-                    f"model.source: {source_name[name]} has shape {tuple(src.shape)}, "
-                    f"expected {tuple(tensor.shape)}; the weights belong to another model"
-                )
-            if isinstance(tensor, DTensor):  # FSDP2 shard: keep this rank's slice of the full tensor
-                src = distribute_tensor(src.to(tensor.dtype), tensor.device_mesh, tensor.placements)
-            tensor.copy_(src)
+            src_name = source_name[name]
+            if src_name in where:
+                _load_one(where[src_name], src_name, tensor)
     return qlora.quantize(model, device) if four_bit else model
+
+
+class SafetensorsFile:
+    """A .safetensors file read in place: its header, and each tensor as a zero-copy view of the
+    memory-mapped bytes (safetensors' own torch loader allocates the whole file in the CPU
+    allocator first). Format: 8-byte little-endian header length, a JSON header of
+    {name: {dtype, shape, data_offsets}}, then the data."""
+
+    DTYPES = {
+        "F64": "float64",
+        "F32": "float32",
+        "F16": "float16",
+        "BF16": "bfloat16",
+        "I64": "int64",
+        "I32": "int32",
+        "I16": "int16",
+        "I8": "int8",
+        "U8": "uint8",
+        "BOOL": "bool",
+    }
+
+    def __init__(self, path: Path) -> None:
+        import json
+        import struct
+
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            self.size = path.stat().st_size
+            self.data_start = 8 + n
+            self.entries = {k: v for k, v in header.items() if k != "__metadata__"}
+            for v in self.entries.values():
+                begin, end = v["data_offsets"]
+                if self.data_start + end > self.size or v["dtype"] not in self.DTYPES:
+                    raise ValueError("header promises data the file does not hold")
+        except Exception as e:  # truncated, not safetensors, or a header that lies
+            raise ConfigError(
+                "model.source",
+                f"corrupt weights file {str(path)!r} ({e})".splitlines()[0],
+                "re-download or re-convert the model",
+            ) from None
+        self._map = None
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name]["shape"])
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A read-only view of the stored bytes (no copy; copy_ it where it belongs)."""
+        import numpy as np
+
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        entry = self.entries[name]
+        begin, end = (self.data_start + o for o in entry["data_offsets"])
+        dtype = getattr(torch, self.DTYPES[entry["dtype"]])
+        raw = torch.from_numpy(self._map[begin:end])  # uint8, shares the mapping
+        return raw.view(dtype).view(entry["shape"]) if end > begin else torch.empty(entry["shape"], dtype=dtype)
+
+
+def _tensor_files(files: list[Path]) -> dict[str, SafetensorsFile]:
+    """Which file holds each tensor (read from the headers only)."""
+    where = {}
+    for f in files:
+        handle = SafetensorsFile(f)
+        where.update(dict.fromkeys(handle.keys(), handle))
+    return where
+
+
+def _load_one(handle: SafetensorsFile, name: str, tensor: torch.Tensor) -> None:
+    import warnings
+
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if handle.shape(name) != tuple(tensor.shape):
+        raise TrainplanError(
+            f"model.source: {name} has shape {handle.shape(name)}, expected {tuple(tensor.shape)}; "
+            "the weights belong to another model"
+        )
+    with warnings.catch_warnings():  # the mapping is read-only, and only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        src = handle.tensor(name)
+    if isinstance(tensor, DTensor):  # FSDP2 shard: keep this rank's slice of the full tensor
+        tensor.copy_(distribute_tensor(src.to(tensor.device, tensor.dtype), tensor.device_mesh, tensor.placements))
+    else:
+        tensor.copy_(src)

@@ -1,0 +1,51 @@
+"""Loading weights: streamed from the mapped file into the model, never a second copy beside it."""
+
+import pytest
+
+from trainplan import config as C
+from trainplan.errors import ConfigError
+from trainplan.resolve import resolve
+from trainplan.run import weights
+
+torch = pytest.importorskip("torch")
+
+
+def allocator_peak(fn):
+    """Peak bytes the CPU allocator held while fn ran (torch.profiler's memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    current = peak = 0
+    for _, delta in events:
+        current += delta
+        peak = max(peak, current)
+    return out, peak
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_loading_the_embedded_default_holds_the_weights_once(mode):
+    """Loading read the whole file into memory beside the model: 2.0x the weights. Now the load
+    peak is the model itself (tied embeddings allocated once, every tensor copied from the map)."""
+    cfg = C.load(None, [f"mode={mode}", "precision=fp32", "hardware.gpus=cpu"])
+    r = resolve(cfg)
+    weights.weights_dir(cfg)  # the one-time GGUF conversion is not the load
+    model, peak = allocator_peak(lambda: weights.load_model(cfg, r.spec, r.precision, torch.device("cpu")))
+    held = sum(t.nbytes for t in model.parameters()) + sum(t.nbytes for t in model.buffers())
+    assert held > 500 * 2**20  # SmolLM2-135M in fp32
+    assert peak <= 1.1 * held, (peak, held)
+
+
+def test_a_truncated_weights_file_is_one_line(tiny_run, tmp_path):
+    import shutil
+
+    root, _ = tiny_run
+    broken = tmp_path / "weights"
+    shutil.copytree(root / "weights", broken)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    cfg = C.load(None, [f"model.source={broken}", "mode=full", "precision=fp32", "hardware.gpus=cpu"])
+    r = resolve(cfg)
+    with pytest.raises(ConfigError, match=r"^model.source: corrupt weights file .*; re-download or re-convert"):
+        weights.load_model(cfg, r.spec, r.precision, torch.device("cpu"))
