@@ -66,3 +66,14 @@ def test_validation_names_the_field(override, message):
 
 def test_fsdp_is_an_alias_of_zero3():
     assert C.load(None, ["parallel.strategy=fsdp"]).parallel.strategy == "zero3"
+
+
+@pytest.mark.parametrize(
+    "setting", ["train.max_grad_norm=nan", "optim.lr=inf", "guard.threshold=nan", "hardware.safety_margin=-inf"]
+)
+def test_nan_and_inf_are_refused_naming_the_field(setting):
+    """nan passes every range check (nan <= 0 is False): `max_grad_norm = nan` once trained to NaN
+    weights and ended with exit 0 and a PASS."""
+    key = setting.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{key}: must be a finite number \(got -?(nan|inf)\); give a finite value"):
+        C.load(None, [setting])

@@ -7,6 +7,7 @@ field (`batch.micro_batch_size`) and the fix. Load from TOML, then apply `--set 
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -356,6 +357,9 @@ def from_dict(tree: dict) -> RunConfig:
                 raise ConfigError(
                     f"{name}.{key}", "unknown setting", nearest(f"{name}.{key}", sorted(f"{name}.{a}" for a in allowed))
                 )
+        for key, value in body.items():  # nan and inf pass every range check (nan <= 0 is False)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{name}.{key}", f"must be a finite number (got {value})", "give a finite value")
         try:
             sections[name] = cls(**body)
         except TypeError as e:  # wrong type that the dataclass itself rejected

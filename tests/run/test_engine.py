@@ -249,3 +249,10 @@ def test_an_unwritable_output_dir_is_refused_before_anything_loads(tiny_run, tmp
     with pytest.raises(ConfigError, match=r"^checkpoint.dir: .* is a file"):
         run(tiny_run, tmp_path / "out", f"checkpoint.dir={blocker / 'ck'}")
     assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_a_run_that_ends_non_finite_fails_its_contract(tiny_run, tmp_path):
+    """With the guard off, a NaN gradient reaches the weights: the run must not end as a PASS."""
+    record = run(tiny_run, tmp_path, "mode=full", "guard.enabled=false", "guard.inject=['nan-grad@2']")
+    assert record["contract"]["passed"] is False
+    assert "non-finite values in" in record["contract"]["detail"]

@@ -5,10 +5,13 @@
 | lora      | base weights bitwise unchanged; every adapter tensor changed (after one update: every lora_B) |
 | full      | every trainable tensor changed                              |
 | inference | nothing changed; no gradient exists                         |
+
+Training modes also fail when a trained tensor or the held-out loss ends non-finite.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +44,13 @@ class ContractResult:
 
 
 def check(
-    mode: str, model: nn.Module, before: dict[str, torch.Tensor], *, optimizer=None, updates: int | None = None
+    mode: str,
+    model: nn.Module,
+    before: dict[str, torch.Tensor],
+    *,
+    optimizer=None,
+    updates: int | None = None,
+    held_out_loss: float | None = None,
 ) -> ContractResult:
     """updates: optimizer updates this run applied. PEFT initialises lora_B to zero, so lora_A's
     gradient is zero at the first update: after exactly one, only lora_B can have changed."""
@@ -76,6 +85,11 @@ def check(
         unchanged = sorted(trainable - changed)
         ok = not unchanged and bool(trainable)
         detail = f"all {len(trainable)} trainable tensors changed" if ok else f"unchanged: {unchanged[:3]}"
+    broken = sorted(n for n in trainable if not torch.isfinite(after[n]).all())
+    if broken:  # a run that ends with NaN or inf weights has no result to stand behind
+        ok, detail = False, f"non-finite values in {len(broken)} trained tensors, e.g. {broken[0]}"
+    elif held_out_loss is not None and not math.isfinite(held_out_loss):
+        ok, detail = False, f"the held-out loss after the run is {held_out_loss}"
     return ContractResult(
         mode=mode, passed=ok, detail=detail, changed=len(changed), unchanged=len(after) - len(changed)
     )

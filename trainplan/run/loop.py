@@ -40,9 +40,11 @@ def run(cfg: C.RunConfig, *, quiet: bool = False) -> tuple[record.RunRecord, dis
     rec.eval_after = trainer.evaluate()
     optimizer = trainer.state.optimizer if trainer.state else None
     updates = sum(not s.get("skipped") for s in rec.steps)
-    rec.contract = contract.check(
-        cfg.mode, trainer.model, trainer.before, optimizer=optimizer, updates=updates
-    ).to_json()
+    held_out = rec.eval_after["loss"] if trainer.job.training else None
+    check = contract.check(
+        cfg.mode, trainer.model, trainer.before, optimizer=optimizer, updates=updates, held_out_loss=held_out
+    )
+    rec.contract = check.to_json()
     rec.wall_seconds = time.perf_counter() - t_start
     return rec, env
 
