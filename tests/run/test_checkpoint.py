@@ -133,3 +133,44 @@ def test_a_checkpoint_from_another_run_is_refused(tiny_run, tmp_path, three_chec
     extra = [change] if change.startswith("mode") else ["mode=lora", change]
     with pytest.raises(ConfigError, match=f"was written for another {what}"):
         run(tiny_run, tmp_path / "b", *extra, f"checkpoint.dir={three_checkpoints}", "checkpoint.resume=auto")
+
+
+def test_pruning_keeps_only_this_runs_newest_and_never_touches_another_runs(tmp_path):
+    """Pruning once counted every valid step-* in the directory: a 3-step run deleted its own
+    checkpoints because an earlier run's were newer."""
+    from trainplan.run.checkpoint import format as fmt
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+
+    def save(step, run_id):
+        state = {"mode": "full", "step": step, "tokens_seen": 0, "run_id": run_id}
+        return fmt.save(
+            tmp_path, step=step, model=model, optimizer=opt, scheduler=sched, scaler=None, state=state, keep_last=1
+        )
+
+    for step in (4, 5, 6):  # the older, longer run
+        save(step, "older")
+    for step in (1, 2, 3):  # this run, keep_last = 1
+        save(step, "this")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["step-00000003", "step-00000006"]  # each run's newest; the other run untouched
+    assert fmt.run_id_of(tmp_path / "step-00000003") == "this"
+    assert json.loads((tmp_path / "step-00000006" / "manifest.json").read_text())["run_id"] == "older"
+
+
+def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(tiny_run, tmp_path):
+    from trainplan.run.checkpoint import format as fmt
+
+    ck = tmp_path / "ck"
+    common = ["mode=lora", f"checkpoint.dir={ck}", "checkpoint.every=2", "train.measure_memory=false"]
+    first = run(tiny_run, tmp_path / "a", *common, "train.steps=4")
+    with pytest.raises(ConfigError, match=r"^checkpoint.dir: .* holds another run's checkpoints \(step-00000004, run "):
+        run(tiny_run, tmp_path / "b", *common, "train.steps=6")
+    assert not (tmp_path / "b" / "record.json").exists()
+    resumed = run(tiny_run, tmp_path / "c", *common, "train.steps=6", "checkpoint.resume=auto")
+    assert resumed["resume"]["step"] == 4  # continued explicitly, as that run's lineage
+    lineage = {fmt.run_id_of(p) for p in ck.iterdir() if p.name.startswith("step-")}
+    assert len(lineage) == 1  # one lineage: the resumed run carried the first run's id on
+    assert first["steps"][-1]["step"] == 4 and [s["step"] for s in resumed["steps"]] == [5, 6]

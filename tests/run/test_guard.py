@@ -218,17 +218,19 @@ def test_a_recurring_unusual_batch_widens_the_window_but_a_new_spike_is_caught()
 
 
 def test_rollback_never_uses_another_runs_checkpoint(tiny_run, tmp_path):
-    """A stale, newer checkpoint of an earlier run in the same directory is not a rollback target."""
+    """A stale, newer checkpoint in the same directory is never a rollback target: a fresh run is
+    refused the directory of an earlier run, and one that continues it from step 4 explicitly rolls
+    back to the checkpoint it resumed from, not to the newest in the directory (step 12)."""
+    from trainplan.errors import ConfigError
+
     ck = tmp_path / "ck"
     common = [f"checkpoint.dir={ck}", "checkpoint.every=4", "checkpoint.keep_last=3"]
     run(tiny_run, tmp_path / "earlier", "train.steps=12", *common)  # leaves step-4, 8, 12
+    guard_on = ["guard.on_nonfinite=rollback", "guard.inject=['nan-loss@6']"]
+    with pytest.raises(ConfigError, match="holds another run's checkpoints"):
+        run(tiny_run, tmp_path / "now", "train.steps=8", *common, *guard_on)
     record = run(
-        tiny_run,
-        tmp_path / "now",
-        "train.steps=8",
-        *common,
-        "guard.on_nonfinite=rollback",
-        "guard.inject=['nan-loss@6']",
+        tiny_run, tmp_path / "now", "train.steps=8", *common, *guard_on, f"checkpoint.resume={ck / 'step-00000004'}"
     )
     (event,) = record["guard"]["events"]
     assert event["restored_from"] == "step-00000004" and event["restored_step"] == 4

@@ -13,6 +13,7 @@ from trainplan import config as C
 from trainplan.files import require_writable
 from trainplan.resolve import Resolved, require_runnable, resolve
 from trainplan.run import data, dist, guard, step, weights
+from trainplan.run.checkpoint.manager import refuse_foreign
 from trainplan.run.record import device_label
 
 
@@ -52,6 +53,7 @@ def prepare(cfg: C.RunConfig, env: dist.DistEnv) -> Job:
     require_writable(cfg.train.output_dir, "train.output_dir")
     if cfg.checkpoint.dir:
         require_writable(cfg.checkpoint.dir, "checkpoint.dir")
+    refuse_foreign(cfg)
     documents = data.load_documents(cfg.data.source)
     directory = weights.weights_dir(cfg) if weights.is_pretrained(cfg) else None
     if directory is not None:  # build from the checkpoint's own transformers config, every field of it

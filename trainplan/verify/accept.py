@@ -14,6 +14,7 @@ and continue (e).
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 from pathlib import Path
 
@@ -105,6 +106,8 @@ def accept(
 
     t0 = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
+    for own in ("train", "overfit"):  # accept's own runs start clean in a reused output dir
+        shutil.rmtree(out_dir / own / "checkpoints", ignore_errors=True)
     main_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=str(out_dir / "train")))
     config_file = out_dir / "config.toml"
     config_file.write_text(C.to_toml(main_cfg))

@@ -9,6 +9,7 @@ of the final weights and optimizer state. On the CPU in deterministic mode the m
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,7 @@ def verify(
         raise ValueError(f"--at must be between 1 and {steps - 1} (got {at})")
     base = [*train_args, "--set", f"train.steps={steps}"]
     ckpt = workdir / "checkpoints"
+    shutil.rmtree(ckpt, ignore_errors=True)  # verify-resume's own: a reused work dir starts clean
     full = run_train(base, workdir / "uninterrupted", nproc=nproc)
     run_train(
         base,

@@ -166,14 +166,15 @@ def save(
         (tmp / "state.json").write_text(
             json.dumps({**state, "world_size": world, "format": fmt}, indent=1, sort_keys=True)
         )
-        _finish(root, tmp, final, step, world, scaler is not None, state.get("mode"), keep_last, fmt)
+        _finish(root, tmp, final, step, world, scaler is not None, state, keep_last, fmt)
     _barrier()
     return final
 
 
 def _finish(
-    root: Path, tmp: Path, final: Path, step: int, world: int, has_scaler: bool, mode, keep_last: int, fmt: str
+    root: Path, tmp: Path, final: Path, step: int, world: int, has_scaler: bool, state: dict, keep_last: int, fmt: str
 ) -> None:
+    mode = state.get("mode")
     files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
     for name in files:
         fsync_file(tmp / name)
@@ -184,6 +185,7 @@ def _finish(
         "step": step,
         "complete": True,
         "world_size": world,
+        "run_id": state.get("run_id"),  # the run (lineage) this checkpoint belongs to
         "format": fmt,  # safetensors: replicated weights; dcp: per-rank shards, readable at any world size
         "parts": {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)} for name in files},
         "holds": [
@@ -208,7 +210,7 @@ def _finish(
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_dir(root)
-    _prune(root, keep_last)
+    _prune(root, keep_last, state.get("run_id"))
 
 
 def validate(path: Path) -> str | None:
@@ -250,12 +252,38 @@ def latest_valid(root: Path) -> tuple[Path | None, list[tuple[str, str]]]:
     return None, skipped
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    valid = [p for p in _candidates(root) if validate(p) is None]
-    for old in valid[keep_last:]:
+def run_id_of(path: Path) -> str | None:
+    """The run a checkpoint belongs to (state.json's run_id); None for an unreadable or older one."""
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return state.get("run_id") if isinstance(state, dict) else None
+
+
+def foreign(root: Path, run_id: str | None) -> list[Path]:
+    """Valid checkpoints under root that belong to another run, newest first."""
+    return [p for p in _candidates(root) if validate(p) is None and run_id_of(p) != run_id]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _prune(root: Path, keep_last: int, run_id: str | None) -> None:
+    """Keep this run's newest `keep_last` checkpoints; another run's are never touched."""
+    own = [p for p in _candidates(root) if validate(p) is None and run_id_of(p) == run_id]
+    for old in own[keep_last:]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(f".tmp-{PREFIX}*"):  # writes that died: never valid, safe to remove
-        if not stale.name.endswith(f"-{os.getpid()}"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import uuid
 from pathlib import Path
 
 from trainplan import config as C
@@ -41,6 +42,27 @@ def compat(r: Resolved) -> str:
     return short_hash(json.dumps(keep, sort_keys=True))
 
 
+def checkpoint_root(cfg: C.RunConfig) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.train.output_dir) / "checkpoints"
+
+
+def refuse_foreign(cfg: C.RunConfig) -> None:
+    """A fresh run that writes checkpoints does not share a directory with another run's: its
+    pruning, or a later resume = "auto", would mix the two runs."""
+    if cfg.checkpoint.resume or not cfg.checkpoint.every:
+        return
+    root = checkpoint_root(cfg)
+    others = ckpt.foreign(root, None)
+    if others:
+        owner = ckpt.run_id_of(others[0]) or "an earlier run"
+        raise ConfigError(
+            "checkpoint.dir",
+            f"{str(root)!r} holds another run's checkpoints ({others[0].name}, run {owner})",
+            'give this run its own --output-dir (or checkpoint.dir), or set checkpoint.resume = "auto" to '
+            "continue that run",
+        )
+
+
 class CheckpointManager:
     """Checkpoints of one run. `last` is the newest checkpoint of this run (written or resumed
     from): rollback never restores another run's checkpoint that happens to share the directory."""
@@ -50,12 +72,15 @@ class CheckpointManager:
         self.cfg: C.RunConfig = cfg
         self.env, self.batch = env, r.batch
         self.model = getattr(model, "module", model)
-        self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.train.output_dir) / "checkpoints"
+        self.root = checkpoint_root(cfg)
         # FSDP2 strategies write DCP shards, readable at any world size. The configured strategy
         # decides, not this world's layout: a zero3 run on one process ("single") writes DCP too.
         self.sharded = cfg.parallel.strategy in PARAM_SHARDING_STRATEGIES
         self.last: Path | None = None
         self.expect = {"model_fingerprint": model_fingerprint(r), "mode": cfg.mode, "compat": compat(r)}
+        # This run's lineage: a fresh id, or the id of the run it resumes (set by maybe_resume).
+        # Pruning and rollback touch only this lineage's checkpoints.
+        self.run_id = env.gather(uuid.uuid4().hex[:12])[0]  # rank 0's, on every rank
 
     def due(self, step: int) -> bool:
         every = self.cfg.checkpoint.every
@@ -72,7 +97,7 @@ class CheckpointManager:
             optimizer=state.optimizer,
             scheduler=state.scheduler,
             scaler=state.scaler,
-            state={**self.expect, **state.state_dict(), "config": self.cfg.to_dict()},
+            state={**self.expect, **state.state_dict(), "config": self.cfg.to_dict(), "run_id": self.run_id},
             keep_last=self.cfg.checkpoint.keep_last,
             sharded=self.sharded,
         )
@@ -147,6 +172,7 @@ class CheckpointManager:
                 )
             info = {"skipped": []}
         saved = self._load(path, state)
+        self.run_id = saved.get("run_id") or self.run_id  # continue that run's lineage
         info["loaded"] = state_hashes(model, state.optimizer)
         for note in saved["notes"] if self.env.is_main else []:
             print(f"trainplan train: resume: {note}", file=sys.stderr)
