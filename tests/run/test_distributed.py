@@ -40,6 +40,7 @@ def single_full(tiny_run, tmp_path_factory):
         [
             *base,
             f"model.source={root / 'weights'}",
+            "model.init=auto",
             "batch.micro_batch_size=4",
             f"train.output_dir={tmp_path_factory.mktemp('single')}",
         ],
@@ -53,7 +54,12 @@ def test_data_parallel_full_finetune_matches_one_process(tiny_run, tmp_path, sin
     """2 ranks x micro-batch 2 see the same 4 sequences per step as 1 process x 4: same losses."""
     root, base = tiny_run
     record = torchrun(
-        tmp_path, base, f"model.source={root / 'weights'}", "batch.micro_batch_size=2", f"parallel.strategy={strategy}"
+        tmp_path,
+        base,
+        f"model.source={root / 'weights'}",
+        "model.init=auto",
+        "batch.micro_batch_size=2",
+        f"parallel.strategy={strategy}",
     )
     assert record["hardware"]["world_size"] == 2 and record["batch"]["global"] == 4
     assert record["contract"]["passed"], record["contract"]["detail"]
@@ -111,7 +117,8 @@ def test_fsdp_checkpoint_reshards_to_another_world_size(tiny_run, tmp_path):
     optimizer state equal the saved ones bit for bit, the data continues at the same global
     position, the run says continuation is not exact, and it stays close to the 2-rank run."""
     root, _ = tiny_run
-    common = [f"model.source={root / 'weights'}", "parallel.strategy=zero3", "train.steps=4", "checkpoint.every=2"]
+    weights = [f"model.source={root / 'weights'}", "model.init=auto"]
+    common = [*weights, "parallel.strategy=zero3", "train.steps=4", "checkpoint.every=2"]
     two, one = ["batch.micro_batch_size=2"], ["batch.micro_batch_size=4"]
     # 2 ranks write, 1 process resumes
     ck = f"checkpoint.dir={tmp_path / 'ck21'}"

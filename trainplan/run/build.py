@@ -143,7 +143,9 @@ def allocate(model: nn.Module, device: torch.device | str) -> nn.Module:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     tied = getattr(base.config, "tie_word_embeddings", False)
     head = base.get_output_embeddings() if tied else None
-    shared = head is not None and head.weight is base.get_input_embeddings().weight
+    # (not under FSDP2, which registered the shared parameter with its units when it sharded them)
+    sharded = any(hasattr(p, "device_mesh") for p in model.parameters())
+    shared = head is not None and not sharded and head.weight is base.get_input_embeddings().weight
     if shared:
         del head.weight
     if qlora.is_4bit(model):
