@@ -24,7 +24,7 @@ ALLOWED = {
 }
 FOUNDATION_ORDER = {  # inside the foundation, still one way
     "errors": set(),
-    "files": set(),
+    "files": {"errors"},
     "_torch_private": {"errors"},
     "config": {"errors"},
     "spec": {"config", "errors"},

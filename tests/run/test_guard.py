@@ -95,6 +95,7 @@ def test_no_false_positive_in_1000_clean_fine_tuning_steps(tiny_run, small_pretr
         tiny_run,
         tmp_path,
         f"model.source={small_pretrained}",
+        "model.init=auto",
         "train.steps=1000",
         "batch.micro_batch_size=2",
         "optim.lr=1e-3",
