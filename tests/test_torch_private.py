@@ -33,6 +33,25 @@ def test_tracker_counts_storages_from_creation_to_release():
     assert tracker.total == 0 and tracker.peak_total == 5000
 
 
+def test_a_tracked_model_is_freed_once_the_caller_drops_it():
+    """The finalizers outlive the step (they are global): they must not keep the model alive. On the
+    GPU this leaked every measured model into the next one's allocator figures."""
+    import gc
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(model.parameters())
+    tracker = P.StorageTracker()
+    tracker.track(model, optimizer, [])
+    with tracker:
+        model(torch.randn(4, 64)).sum().backward()
+        optimizer.step()
+    weight = weakref.ref(model[0].weight)
+    del model, optimizer, tracker
+    gc.collect()
+    assert weight() is None
+
+
 def test_tracker_follows_storage_resize_like_fsdp_does():
     tracker = P.StorageTracker()
     with tracker:

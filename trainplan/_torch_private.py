@@ -125,6 +125,20 @@ def _storage(t: torch.Tensor):
     return local.untyped_storage()
 
 
+def _on_free(storage, tracker: StorageTracker, key: int) -> None:
+    """Call tracker._free(key) when `storage` dies. The finalizer registry is global and lives as
+    long as the storage: it must hold the tracker only weakly, or the tracker's parameter list keeps
+    the whole model (and the storage itself) alive after the measured step."""
+    ref = weakref.ref(tracker)
+
+    def free() -> None:
+        t = ref()
+        if t is not None:
+            t._free(key)
+
+    weakref.finalize(storage, free)
+
+
 class StorageTracker(TorchDispatchMode):
     """Counts every tensor storage from the op that creates it until it is freed.
 
@@ -163,7 +177,7 @@ class StorageTracker(TorchDispatchMode):
         self._live[key] = [category, nbytes, self.phase]
         self.totals[category] += nbytes
         self.total += nbytes
-        weakref.finalize(st, self._free, key)
+        _on_free(st, self, key)
         if self.total > self.peak_total:
             self.peak_total = self.total
             self.peak = dict(self.totals)
@@ -248,7 +262,7 @@ class StorageTracker(TorchDispatchMode):
             entry = tracker._live.get(id(st))
             if entry is None and size > 0:
                 tracker._live[id(st)] = entry = ["activations", 0, tracker.phase]
-                weakref.finalize(st, tracker._free, id(st))
+                _on_free(st, tracker, id(st))
             if entry is not None and entry[1] != st.nbytes():
                 delta = st.nbytes() - entry[1]
                 entry[1] += delta
