@@ -371,6 +371,48 @@ def test_out_file_skips_what_the_training_engine_does_not_run(tmp_path, capsys):
     assert plan(cfg).fits
 
 
+def test_out_file_for_70b_on_8_a100_passes_trains_own_checks(tmp_path, capsys):
+    """The written file is a real training config: train's capability check (resolve.require_runnable)
+    accepts it, the step count comes from --tokens, the data is the user's, and the header says the
+    preset needs its weights."""
+    import math
+
+    from trainplan.resolve import require_runnable, resolve
+
+    out = tmp_path / "chosen.toml"
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text to train on\n")
+    argv = ["advise", "Llama-3.1-70B", "--gpus", "8xA100-80GB", "--seq", "2048", "--global-batch", "64"]
+    assert cli.main([*argv, "--tokens", "100000000", "--data", str(corpus), "--out", str(out)]) == 0
+    capsys.readouterr()
+    cfg = C.load(out)
+    r = resolve(cfg)
+    require_runnable(cfg, r.dims, max_positions=r.spec.max_position_embeddings, cuda=True)  # raises if not
+    assert cfg.train.steps == math.ceil(100_000_000 / (64 * 2048))
+    assert cfg.data.source == str(corpus.resolve())
+    assert "names an architecture, not weights" in out.read_text().split("\nmode")[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tokens", "0"], r"^--tokens: must be >= 1 \(got 0\)"),
+        (["--epochs", "-1"], r"^--epochs: must be a number > 0"),
+        (["--epochs", "1"], r"^--epochs: counting the data's tokens needs the model's own tokenizer; give --tokens"),
+        (["--data", "/nonexistent/corpus"], r"^--data: '/nonexistent/corpus' does not exist"),
+        (["--tokens", "9", "--set", "train.steps=5"], r"^--tokens: train.steps is set too"),
+    ],
+)
+def test_training_length_and_data_flags_refuse_bad_input(flags, message):
+    from trainplan.errors import ConfigError
+
+    from trainplan.commands import advise as advise_cmd
+
+    args = cli.build_parser().parse_args(["advise", "Llama-3.1-8B", "--gpus", "8xA100-80GB", *flags])
+    with pytest.raises(ConfigError, match=message):
+        advise_cmd.request_from_args(args)
+
+
 @pytest.mark.slow
 def test_out_file_trains_as_it_is(tiny_run, tmp_path, capsys, monkeypatch):
     root, _ = tiny_run  # config.json (a tiny Llama) and a small corpus
@@ -391,6 +433,13 @@ def test_out_file_trains_as_it_is(tiny_run, tmp_path, capsys, monkeypatch):
     assert cli.main(["train", str(out)]) == 0
     record = json.loads((tmp_path / "run" / "record.json").read_text())
     assert len(record["steps"]) == 2 and record["contract"]["passed"]
+    # --epochs counts the training split as train packs it: 2 passes of 8 sequences per step
+    monkeypatch.chdir(root)
+    again = tmp_path / "epochs.toml"
+    argv = ["advise", str(root / "weights"), "--gpus", "cpu", "--seq", "32", "--global-batch", "8", "--epochs", "2"]
+    kept = [x for s in settings if not s.startswith(("model.init", "train.steps")) for x in ("--set", s)]
+    assert cli.main(argv + ["--out", str(again), *kept]) == 0
+    assert C.load(again).train.steps == -(-2 * record["data"]["train_sequences"] // 8)
 
 
 def test_qlora_on_cuda_is_runnable_and_on_the_cpu_is_not():

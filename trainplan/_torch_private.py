@@ -125,6 +125,28 @@ def _storage(t: torch.Tensor):
     return local.untyped_storage()
 
 
+def ddp_bucket_bytes(model: torch.nn.Module) -> int:
+    """Bytes of DDP's gradient buckets (gradient_as_bucket_view): allocated in the C++ reducer,
+    they hold the gradients between steps while every p.grad is None, so no dispatch mode sees
+    them. Read from DDP's logging data; 0 for any other module."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return 0
+    sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
+    return sum(int(x) for x in sizes.split(",") if x.strip())
+
+
+@contextlib.contextmanager
+def untracked() -> Iterator[None]:
+    """Ops run here are invisible to the storage tracker (and every other dispatch mode): for views
+    of memory torch did not allocate, such as a memory-mapped weights file."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
 def _on_free(storage, tracker: StorageTracker, key: int) -> None:
     """Call tracker._free(key) when `storage` dies. The finalizer registry is global and lives as
     long as the storage: it must hold the tracker only weakly, or the tracker's parameter list keeps
@@ -163,6 +185,8 @@ class StorageTracker(TorchDispatchMode):
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _add(self, t: torch.Tensor, category: str) -> None:
+        if t.device.type == "meta":  # a model built on meta holds no memory yet (fake tensors report their fake device)
+            return
         st = _storage(t)
         key = id(st)
         entry = self._live.get(key)
@@ -189,10 +213,13 @@ class StorageTracker(TorchDispatchMode):
             self.total -= entry[1]
 
     def track(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, inputs=()) -> None:
-        """Register what exists before the step: parameters, buffers, optimizer state, the batch."""
+        """Register what exists before the step: parameters, buffers, gradients kept between steps
+        (DDP's buckets), optimizer state, the batch."""
         self._params = [p for p in model.parameters()]
         for p in self._params:
             self._add(p, "params")
+            if p.grad is not None:
+                self._add(p.grad, "grads")
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         for b in model.buffers():

@@ -62,11 +62,65 @@ def test_inference_has_kv_cache_and_no_training_state(make_cfg):
     led = one(
         plan(make_cfg(model__source="Llama-3.1-8B", hardware__gpus="H100-80GB", mode="inference", batch__seq_len=8192))
     )
-    assert list(led.phases) == ["inference"]
+    assert list(led.phases) == ["load", "inference"]
     comps = led.components
     assert comps["kv_cache"] == GiB
     assert comps["gradients"] == comps["optimizer"] == comps["optimizer_temp"] == 0
     assert comps["weights"] == 2 * 8_030_261_248
+
+
+def test_the_ledger_covers_the_whole_run_in_order(make_cfg):
+    led = one(plan(make_cfg(model__source="Llama-3.2-1B", hardware__gpus="H100-80GB", mode="lora")))
+    assert list(led.phases) == ["load", "forward", "backward", "optimizer", "evaluate", "save"]
+    load = led.phases["load"]  # streamed from the file into the model: nothing beside it on one GPU
+    assert load["weight_copies"] == 0 and load["weights"] == led.phases["forward"]["weights"]
+    assert load["adapter"] > 0 and "gradients" not in load
+
+
+def test_evaluation_costs_no_more_than_the_step_under_the_chunked_loss(make_cfg):
+    """128k vocabulary x 4096 tokens: full logits would be 5.9 GiB in fp32 alone; evaluation goes
+    through the same chunked head as training (run/evaluate.py)."""
+    led = one(
+        plan(
+            make_cfg(
+                model__source="Llama-3.2-1B",
+                hardware__gpus="H100-80GB",
+                mode="lora",
+                batch__seq_len=4096,
+                memory__activation_checkpointing=True,
+            )
+        )
+    )
+    assert led.phase_total("evaluate") < led.phase_total("backward")
+    assert led.phases["evaluate"]["logits_loss"] < 4096 * 128_256 * 4 / 4
+
+
+def test_saving_under_fsdp_gathers_full_tensors_and_rank_0_keeps_them_on_cpu(make_cfg):
+    cfg = make_cfg(model__source="Llama-3.2-1B", hardware__gpus="2xcpu", mode="full", parallel__strategy="zero3")
+    led = plan(cfg)
+    first, second = (d.phases["save"]["weight_copies"] for d in led.devices)
+    embedding = 128_256 * 2048 * 4  # the largest tensor, fp32 master weights
+    full = 1_235_814_400 * 4
+    assert second == 3 * embedding  # gathered one at a time: 3 buffers of it at once
+    assert first == full + 3 * embedding  # the main CPU rank keeps what it gathered for the file
+    ddp_cfg = make_cfg(model__source="Llama-3.2-1B", hardware__gpus="2xcpu", mode="full", parallel__strategy="ddp")
+    ddp = one(plan(ddp_cfg))
+    assert ddp.phases["save"]["weight_copies"] == 0
+    assert ddp.phases["save"]["gradients"] == full  # DDP's buckets outlive zero_grad
+
+
+def test_the_verdict_names_the_phase_where_the_run_peaks(make_cfg):
+    cfg = make_cfg(
+        model__source="GPT-2",
+        batch__seq_len=1024,
+        parallel__pp=12,
+        parallel__strategy="zero3",
+        hardware__gpus="24xT4",
+        precision="amp-fp16",
+    )
+    led = plan(cfg)
+    assert one(led).peak_phase == "save"  # the first stage gathers the 50257 x 768 embedding
+    assert "at the save peak" in led.verdict()
 
 
 def test_activations_scale_with_batch_and_seq(make_cfg):

@@ -66,6 +66,19 @@ def test_data_parallel_full_finetune_matches_one_process(tiny_run, tmp_path, sin
     ours = [s["loss"] for s in record["steps"]]
     ref = [s["loss"] for s in single_full["steps"]]
     assert ours == pytest.approx(ref, rel=1e-4, abs=1e-5)
+    rows = _phase_rows(record)  # FSDP's save gathers full tensors; DDP keeps its buckets: each planned
+    assert {r["phase"] for r in rows} == {"load", "evaluate", "save"}
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+
+
+def _phase_rows(record: dict) -> list[dict]:
+    """Each rank's measured load, evaluate and save peaks against the plan of the same settings."""
+    from trainplan.plan import analytic
+    from trainplan.verify import checks
+
+    ledger = analytic.plan(C.from_dict(record["config"]))
+    step_peaks = [m["peak_bytes"] for m in record["memory"]["per_rank"]]
+    return checks.compare_phases(ledger, record["phase_memory"]["per_rank"], step_peaks, 0.05)[0]
 
 
 @pytest.mark.parametrize(

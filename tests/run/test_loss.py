@@ -157,3 +157,28 @@ def test_applies_only_where_the_head_is_the_whole_output(tmp_path, tiny_llama):
 def test_chunk_size_is_validated():
     with pytest.raises(ValueError, match=r"train\.loss_chunk_tokens"):
         C.load(None, ["train.loss_chunk_tokens=0"])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16"])
+def test_evaluation_through_the_chunked_head_matches_the_logits_path(tmp_path, tiny_llama, precision):
+    """Evaluation used to compute the full (tokens x vocab) logits even where training never does:
+    at seq 4096 with a 128k vocabulary that made evaluation, not the step, the run's peak."""
+    from trainplan.run import evaluate, measure
+
+    wide = {**tiny_llama, "vocab_size": 4096}  # the logits, not a layer, are the widest moment
+    cfg = _with(_cfg(tmp_path, wide, f"precision={precision}", "mode=full"), loss_chunk_tokens=7)
+    r, (fused, plain) = _pair(cfg)
+    batch = _batch(wide["vocab_size"])
+    ids = torch.cat([batch["input_ids"], batch["input_ids"].flip(1)])
+    labels = torch.cat([batch["labels"], batch["labels"].flip(1)])
+    prec = r.precision
+    got, peaks = [], []
+    for m in (fused, plain):
+        with measure.PhaseMeter(torch.device("cpu"), m) as meter:
+            got.append(evaluate.evaluate(m, ids, labels, micro_batch=3, max_batches=0, prec=prec, device=meter.device))
+        peaks.append(meter.peak_bytes)
+    logits = 3 * 32 * wide["vocab_size"] * 4  # one micro-batch's fp32 logits
+    assert peaks[0] + logits <= peaks[1], peaks  # the chunked path holds a 7-token chunk of them
+    assert got[0]["tokens"] == got[1]["tokens"] == int((labels[:, 1:] != -100).sum())
+    assert got[0]["loss"] == pytest.approx(got[1]["loss"], rel=1e-5 if precision == "fp32" else 2e-3)
+    assert got[0]["token_accuracy"] == pytest.approx(got[1]["token_accuracy"], abs=0.02)

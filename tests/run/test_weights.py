@@ -4,6 +4,7 @@ import pytest
 
 from trainplan import config as C
 from trainplan.errors import ConfigError
+from trainplan.plan import analytic
 from trainplan.resolve import resolve
 from trainplan.run import weights
 
@@ -35,6 +36,8 @@ def test_loading_the_embedded_default_holds_the_weights_once(mode):
     held = sum(t.nbytes for t in model.parameters()) + sum(t.nbytes for t in model.buffers())
     assert held > 500 * 2**20  # SmolLM2-135M in fp32
     assert peak <= 1.1 * held, (peak, held)
+    planned = analytic.plan(cfg).devices[0].phase_total("load")  # the ledger's load phase
+    assert abs(planned - peak) <= 0.05 * peak, (planned, peak)
 
 
 def test_a_truncated_weights_file_is_one_line(tiny_run, tmp_path):

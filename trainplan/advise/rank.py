@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from trainplan import config as C
 from trainplan.advise.estimate import StepEstimate, estimate
@@ -200,6 +201,12 @@ def out_toml(s: Search, o: Outcome, rank: int, prefer: str, path: str) -> str:
         f"# why: {why(o, s, show_micro=prefer != 'memory')}",
         f"# run: {launch}",
     ]
+    source = cfg.model.source
+    if cfg.model.init != "random" and not (source == "default" or source.endswith(".gguf") or Path(source).is_dir()):
+        header.append(
+            f"# before training: {source!r} names an architecture, not weights; set model.source to a local "
+            "directory holding them (`trainplan train` refuses to start from random weights)"
+        )
     return "\n".join(header) + "\n" + C.to_toml(cfg)
 
 

@@ -47,6 +47,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=10, help="entries to show (0: all that fit)")
     p.add_argument("--format", default="table", help="table | json")
     p.add_argument("--out", default=None, help="write the chosen configuration as TOML (atomically)")
+    p.add_argument("--data", default=None, help="training data for --out: .txt/.jsonl file or directory (data.source)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--tokens", type=int, default=None, help="train on this many tokens: sets train.steps")
+    length.add_argument(
+        "--epochs", type=float, default=None, help="passes over the training split: sets train.steps (needs weights)"
+    )
     add_registry_arg(p, "whose measured runs calibrate the step-time estimate")
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="any other config field, kept in --out"
@@ -75,6 +81,10 @@ def request_from_args(args: argparse.Namespace) -> Request:
     }
     if args.gpu_mem:
         settings["hardware.gpu_mem"] = args.gpu_mem
+    if args.data is not None:
+        if not Path(args.data).exists():
+            raise ConfigError("--data", f"{args.data!r} does not exist", "give a .txt/.jsonl file or a directory")
+        settings["data.source"] = str(Path(args.data).resolve())
     base = C.load(None, args.set, settings)
     spec = load_model_spec(base.model.source)
     r = resolve(replace(base, mode="full", batch=C.BatchConfig(seq_len=base.batch.seq_len)), spec)  # refuses bad input
@@ -82,6 +92,9 @@ def request_from_args(args: argparse.Namespace) -> Request:
     g = world if args.global_batch is None else args.global_batch
     if isinstance(g, bool) or g < 1:
         raise ConfigError("--global-batch", f"must be an integer >= 1 (got {g})", f"e.g. --global-batch {world}")
+    steps = training_steps(args, base, spec, g)
+    if steps is not None:
+        base = replace(base, train=replace(base.train, steps=steps))
     modes = ("full", "lora", "qlora") if args.mode == "auto" else (args.mode,)
     if args.registry is None:  # the run registry that train and accept write, when there is one
         from trainplan.verify import registry
@@ -99,6 +112,38 @@ def request_from_args(args: argparse.Namespace) -> Request:
             f"use a multiple of {world}",
         )
     return req
+
+
+def training_steps(args: argparse.Namespace, base: C.RunConfig, spec, global_batch: int) -> int | None:
+    """train.steps from --tokens (tokens per step = global batch x seq) or --epochs (the training
+    split packed with the model's own tokenizer, as `trainplan train` packs it)."""
+    import math
+
+    per_step = global_batch * base.batch.seq_len
+    flag = "--tokens" if args.tokens is not None else "--epochs" if args.epochs is not None else None
+    if flag and any(item.split("=", 1)[0].strip() == "train.steps" for item in args.set):
+        raise ConfigError(flag, "train.steps is set too (--set)", f"give {flag} or --set train.steps, not both")
+    if args.tokens is not None:
+        if isinstance(args.tokens, bool) or args.tokens < 1:
+            raise ConfigError("--tokens", f"must be >= 1 (got {args.tokens})", "e.g. --tokens 100000000")
+        return math.ceil(args.tokens / per_step)
+    if args.epochs is None:
+        return None
+    if not math.isfinite(args.epochs) or args.epochs <= 0:
+        raise ConfigError("--epochs", f"must be a number > 0 (got {args.epochs})", "e.g. --epochs 3")
+    from trainplan.run import data, weights
+
+    try:
+        pretrained = weights.is_pretrained(base)
+    except ConfigError:  # a preset: an architecture without weights
+        pretrained = False
+    if not pretrained:  # nor a tokenizer to count the data's tokens with
+        raise ConfigError(
+            "--epochs", "counting the data's tokens needs the model's own tokenizer", "give --tokens N instead"
+        )
+    train_docs, _ = data.split_documents(data.load_documents(base.data.source), base.data.eval_fraction)
+    ids, _ = data.pack(train_docs, weights.load_tokenizer(base, spec), base.batch.seq_len, spec.vocab_size)
+    return max(1, math.ceil(args.epochs * ids.shape[0] / global_batch))
 
 
 # ---- ranking ---------------------------------------------------------------------------------

@@ -15,9 +15,10 @@ from __future__ import annotations
 import dataclasses
 
 from trainplan import config as C
+from trainplan.plan import lifecycle
 from trainplan.plan import terms as T
 from trainplan.plan.backward import backward_moments
-from trainplan.plan.ledger import DeviceLedger, Ledger
+from trainplan.plan.ledger import DeviceLedger, Ledger, gib
 from trainplan.plan.tensors import (
     BNB_8BIT_MIN_NUMEL,
     BNB_BLOCK,
@@ -75,8 +76,9 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     if comm.note:
         explain["comm_buffers"] = comm.note
     buffers, runtime = T.buffers(ctx), T.runtime(ctx)
+    load, explain["load"] = lifecycle.load(ctx, weights, adapter, buffers)
     if not r.training:
-        return _inference_ledger(ctx, weights.nbytes, buffers, runtime, explain)
+        return _inference_ledger(ctx, weights.nbytes, buffers, runtime, explain, load)
 
     acts = T.activations(ctx)
     explain["activations"] = acts.note
@@ -85,6 +87,7 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     if loss.note:
         explain["logits_loss"] = loss.note
     phases = {
+        "load": load,
         "forward": {
             "weights": weights.nbytes,
             "weight_copies": copies.nbytes,
@@ -119,6 +122,10 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         "activations": 2 * ctx.tokens * 8,  # the batch (ids, labels) is still referenced
         "buffers": buffers,
     }
+    phases["evaluate"], explain["evaluate"] = lifecycle.evaluate(
+        ctx, weights, copies, adapter, grads, opt, buffers, comm
+    )
+    phases["save"], explain["save"] = lifecycle.save(ctx, weights, adapter, grads, opt, buffers)
     return _device_ledger(r, rank, phases, runtime, explain, details, offload_bytes=host_bytes)
 
 
@@ -174,7 +181,9 @@ def _runtime_explain(led: DeviceLedger, cfg: C.RunConfig) -> None:
         )
 
 
-def _inference_ledger(ctx: T.RankContext, weights: int, buffers: int, runtime: int, explain: dict) -> DeviceLedger:
+def _inference_ledger(
+    ctx: T.RankContext, weights: int, buffers: int, runtime: int, explain: dict, load: dict
+) -> DeviceLedger:
     """Inference: weights + KV cache + the largest transient; no gradients, no optimizer."""
     spec, batch, layers, last = ctx.spec, ctx.batch, ctx.layers, ctx.last
     cb, tp = ctx.cb, ctx.tp
@@ -209,13 +218,14 @@ def _inference_ledger(ctx: T.RankContext, weights: int, buffers: int, runtime: i
     if last:
         explain["logits_loss"] = "logits over the evaluated tokens, their fp32 upcast (none in fp32) and log-softmax"
     phases = {
+        "load": load,
         "inference": {
             "weights": weights,
             "activations": transient,
             "logits_loss": logits,
             "kv_cache": kv,
             "buffers": buffers,
-        }
+        },
     }
     return _device_ledger(ctx.r, ctx.rank, phases, runtime, explain, {})
 
@@ -265,6 +275,8 @@ def plan(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Ledger:
         stage, dp_i, _ = r.dims.coords(rank)
         # ZeRO-1's partition is uneven: each data-parallel rank has its own bill
         key = (stage, device, dp_i if r.dims.partitions_optimizer_by_tensor else 0)
+        if r.dims.shards_params and device.kind == "cpu" and r.training:
+            key += (rank == 0,)  # saving: the main CPU rank keeps the gathered state dict
         if key not in cache:
             cache[key] = _rank_ledger(r, rank)
         proto = cache[key]
@@ -344,6 +356,13 @@ def _notes(r: Resolved) -> list[str]:
         notes.append(
             f"seq_len {b.seq_len} exceeds the model's max_position_embeddings "
             f"{r.spec.max_position_embeddings}: quality beyond it is not assured."
+        )
+    if r.cfg.mode == "full" and any(d.kind == "cuda" for d in r.devices):
+        state = r.spec.num_params * r.precision.param_bytes
+        notes.append(
+            f"Saving the result copies the full model to the main rank's host memory: {gib(state)} in "
+            f"{'fp32' if r.precision.param_bytes == 4 else r.precision.compute_dtype}, plus one serialized "
+            f"shard of at most {gib(min(state, lifecycle.SHARD_BYTES))} (run/result.py)."
         )
     if any(d.kind == "cuda" for d in r.devices) and r.dims.world_size > 1:
         notes.append("NCCL's own buffers and per-peer channels are not in the bill yet.")

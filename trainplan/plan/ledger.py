@@ -238,6 +238,14 @@ def _group(ledger: Ledger) -> list[tuple[str, DeviceLedger]]:
     return cols
 
 
+def _phases(cols: list[tuple[str, DeviceLedger]]) -> list[str]:
+    """Every phase of the run, in the order it happens."""
+    seen: dict[str, None] = {}
+    for _, d in cols:
+        seen.update(dict.fromkeys(d.phases))
+    return list(seen)
+
+
 def render_table(ledger: Ledger) -> str:
     cols = _group(ledger)
     head = ["component"] + [t for t, _ in cols]
@@ -251,6 +259,9 @@ def render_table(ledger: Ledger) -> str:
     rows.append(["capacity (GiB)"] + [f"{d.usable_bytes / GiB:.2f}" for _, d in cols])
     rows.append(["headroom (GiB)"] + [f"{d.headroom_bytes / GiB:+.2f}" for _, d in cols])
     rows.append(["peak phase"] + [d.peak_phase for _, d in cols])
+    for phase in _phases(cols):
+        totals = [f"{d.phase_total(phase) / GiB:.2f}" if phase in d.phases else "-" for _, d in cols]
+        rows.append([f"  at {phase}", *totals])
     rows.append(["verdict"] + ["fits" if d.fits else "DOES NOT FIT" for _, d in cols])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [
@@ -269,6 +280,8 @@ def render_table(ledger: Ledger) -> str:
     out += ["", ledger.verdict(), ""]
     first = cols[0][1]
     out.append(f"Why ({first.label}, {first.peak_phase} peak):")
+    if first.peak_phase in first.explain:
+        out.append(f"  {first.peak_phase}: {first.explain[first.peak_phase]}")
     out += [f"  {c}: {first.explain[c]}" for c in COMPONENTS if first.components[c] and c in first.explain]
     if ledger.notes:
         out += ["", "Notes:"] + [f"  - {n}" for n in ledger.notes]
@@ -293,6 +306,12 @@ def render_markdown(ledger: Ledger) -> str:
     out.append("| capacity (GiB) | " + " | ".join(f"{d.usable_bytes / GiB:.2f}" for _, d in cols) + " |")
     out.append("| headroom (GiB) | " + " | ".join(f"{d.headroom_bytes / GiB:+.2f}" for _, d in cols) + " |")
     out.append("| peak phase | " + " | ".join(d.peak_phase for _, d in cols) + " |")
+    for phase in _phases(cols):
+        out.append(
+            f"| at {phase} (GiB, allocated) | "
+            + " | ".join(f"{d.phase_total(phase) / GiB:.2f}" if phase in d.phases else "-" for _, d in cols)
+            + " |"
+        )
     out += ["", f"**{ledger.verdict()}**", ""]
     first = cols[0][1]
     out += [f"- **{c}**: {first.explain[c]}" for c in COMPONENTS if first.components[c] and c in first.explain]

@@ -224,10 +224,20 @@ def _derive_data_parallel(comps: dict[str, dict[str, int]], rows: dict[str, str]
         rows["gradients"] = f"derived: zero2 shards gradients over dp {dp}"
 
 
+def _whole_run(analytic_phases: dict, traced_phases: dict) -> dict:
+    """The traced step between the analytic plan's load and its evaluate and save phases: the
+    tracer runs the step only."""
+    out = {"load": analytic_phases["load"]} if "load" in analytic_phases else {}
+    out.update(traced_phases)
+    out.update({ph: analytic_phases[ph] for ph in ("evaluate", "save") if ph in analytic_phases})
+    return out
+
+
 def traced_ledger(result: TraceResult, r: resolve.Resolved, analytic_ledger: Ledger) -> Ledger:
     """The traced bill as a Ledger (runtime and allocator reserve from the analytic settings)."""
     devices = [
-        dataclasses.replace(proto, phases=result.phases, explain={}, details={}) for proto in analytic_ledger.devices
+        dataclasses.replace(proto, phases=_whole_run(proto.phases, result.phases), explain={}, details={})
+        for proto in analytic_ledger.devices
     ]
     return Ledger(
         model=analytic_ledger.model,

@@ -1,5 +1,7 @@
 """The held-out metric: mean token cross-entropy, perplexity and token accuracy.
 
+Where the chunked loss head is installed (run/loss.py), the metric is computed through it a chunk
+of tokens at a time, so evaluation never holds the (tokens x vocab) logits that training avoids.
 Evaluation runs under inference_mode in eval mode, forks the RNG and restores train mode, so
 it cannot disturb the training run: losses with and without periodic evaluation are identical.
 """
@@ -12,6 +14,7 @@ import torch
 from torch import nn
 
 from trainplan.run.data import IGNORE_INDEX
+from trainplan.run.loss import fused_head
 from trainplan.run.step import autocast
 from trainplan.spec.precision import Precision
 
@@ -48,10 +51,16 @@ def evaluate(
     count = torch.zeros((), dtype=torch.float64)
     n = ids.shape[0] if not max_batches else min(ids.shape[0], max_batches * micro_batch)
     grad_free = torch.no_grad() if training_run else torch.inference_mode()
+    head = fused_head(model)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), grad_free:
         for start in range(0, n, micro_batch):
             x = ids[start : start + micro_batch].to(device)
             y = labels[start : start + micro_batch].to(device)
+            if head is not None:  # the chunked head: no (tokens x vocab) logits, as in training
+                with autocast(prec, device.type), head.eval_targets(y):
+                    sums = model(input_ids=x).logits.cpu()
+                loss_sum, correct, count = loss_sum + sums[0], correct + sums[1], count + sums[2]
+                continue
             with autocast(prec, device.type):
                 logits = model(input_ids=x).logits
             target = y[:, 1:]

@@ -37,7 +37,10 @@ def run(cfg: C.RunConfig, *, quiet: bool = False) -> tuple[record.RunRecord, dis
             trainer.train(interrupts)
         else:
             trainer.infer()
-    rec.eval_after = trainer.evaluate()
+    rec.eval_after = trainer.evaluate(measured=trainer.job.training)
+    if cfg.train.measure_memory:
+        peaks = {"device": str(env.device), "load": trainer.job.load_peak_bytes, **trainer.phase_peaks}
+        rec.phase_memory = {"per_rank": env.gather(peaks)}
     optimizer = trainer.state.optimizer if trainer.state else None
     updates = sum(not s.get("skipped") for s in rec.steps)
     held_out = rec.eval_after["loss"] if trainer.job.training else None
@@ -59,6 +62,7 @@ class Trainer:
         self.before = contract.snapshot(self.model)
         self.record = record.header(job)
         self.state: TrainState | None = None
+        self.phase_peaks: dict[str, int] = {}  # evaluate, save: the device's measured peak in each
         self.settings = step.StepSettings(
             prec=job.resolved.precision,
             device_type=job.env.device.type,
@@ -66,7 +70,28 @@ class Trainer:
             grad_scale=float(job.env.world),
         )
 
-    def evaluate(self) -> dict:
+    def _meter(self, phase: str):
+        """A PhaseMeter that records its peak under `phase` (no-op unless memory is measured)."""
+        if not self.job.cfg.train.measure_memory:
+            return contextlib.nullcontext()
+        optimizer = self.state.optimizer if self.state else None
+        meter = measure.PhaseMeter(self.env.device, self.model, optimizer)
+
+        @contextlib.contextmanager
+        def recording():
+            with meter:
+                yield
+            self.phase_peaks[phase] = meter.peak_bytes
+
+        return recording()
+
+    def evaluate(self, *, measured: bool = False) -> dict:
+        """The held-out metric; `measured`: the evaluate phase's peak is recorded (after training,
+        when the optimizer state exists, as the plan's evaluate phase assumes)."""
+        with self._meter("evaluate") if measured else contextlib.nullcontext():
+            return self._evaluate()
+
+    def _evaluate(self) -> dict:
         job = self.job
         return evaluate.evaluate(
             self.model,
@@ -140,7 +165,8 @@ class Trainer:
         rec.train_seconds = time.perf_counter() - t_train
         rec.sampler = state.sampler.state_dict()
         rec.final = record.fingerprints(self.model, state, self.job.resolved.batch)
-        rec.result = result.save(self.model, self.job.tokenizer, cfg.mode, Path(cfg.train.output_dir), self.env)
+        with self._meter("save"):
+            rec.result = result.save(self.model, self.job.tokenizer, cfg.mode, Path(cfg.train.output_dir), self.env)
 
     def step(self, state: TrainState, guard: StepGuard, fixed: list, *, metered: bool, inject) -> dict:
         """One optimizer step over the accumulation window; appends and returns its record entry."""

@@ -102,17 +102,60 @@ def chunked_cross_entropy(
     return _ChunkedLinearCrossEntropy.apply(flat, weight, targets, denom, chunk_tokens, dtype)
 
 
+@torch.no_grad()
+def chunked_eval_sums(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int):
+    """(loss sum, correct next-token predictions, target tokens) of `hidden @ weight.T` against
+    `labels` shifted by one, `chunk_tokens` rows at a time: the held-out metric without the
+    (tokens x vocab) logits. Numerics of run/evaluate.py's unfused path: fp32 log-softmax over
+    compute-dtype logits, argmax of the same fp32 logits."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[..., :-1] = labels[..., 1:]
+    targets = targets.reshape(-1)
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    sums = torch.zeros(3, dtype=torch.float64, device=hidden.device)
+    with torch.autocast(device, enabled=False):
+        w = weight.to(dtype)
+        for start in range(0, flat.shape[0], chunk_tokens):
+            y = targets[start : start + chunk_tokens, None]
+            logits = (flat[start : start + chunk_tokens].to(dtype) @ w.t()).float()
+            valid = y != IGNORE_INDEX
+            right = (logits.argmax(1, keepdim=True) == y) & valid
+            y = y.clamp(min=0)
+            picked = logits.gather(1, y)
+            top = logits.amax(1, keepdim=True)
+            lse = logits.sub_(top).exp_().sum(1, keepdim=True).log_() + top  # in place: one chunk buffer
+            del logits
+            sums[0] += ((lse - picked) * valid).sum().double()
+            sums[1] += right.sum()
+            sums[2] += valid.sum()
+    return sums
+
+
 class FusedLossHead(nn.Linear):
-    """The output head; while `targets` are set it returns the loss instead of the logits."""
+    """The output head; while `targets` are set it returns the loss instead of the logits, and
+    while `eval_targets` are set the held-out sums (loss, correct, count) instead of the logits."""
 
     chunk_tokens: int = 128
     _pending: tuple | None = None
+    _eval_labels: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._pending is None:  # generation, evaluation: ordinary logits
+        if self._eval_labels is not None:
+            return chunked_eval_sums(hidden, self.weight, self._eval_labels, self.chunk_tokens)
+        if self._pending is None:  # generation: ordinary logits
             return super().forward(hidden)
         labels, num_items = self._pending
         return chunked_cross_entropy(hidden, self.weight, labels, num_items, self.chunk_tokens)
+
+    @contextlib.contextmanager
+    def eval_targets(self, labels: torch.Tensor):
+        self._eval_labels = labels
+        try:
+            yield
+        finally:
+            self._eval_labels = None
 
     @contextlib.contextmanager
     def targets(self, labels: torch.Tensor, num_items):

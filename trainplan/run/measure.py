@@ -135,6 +135,46 @@ class StepMeter:
         }
 
 
+class PhaseMeter:
+    """The peak bytes a device holds during one phase of the run around the step (load, evaluate,
+    save): `with PhaseMeter(device, model, optimizer) as m: ...; m.peak_bytes`.
+
+    Absolute, like the plan's phase totals: on CUDA the allocator's max_memory_allocated (reset on
+    entry); elsewhere the storage tracker, with the model's parameters, buffers, gradients and the
+    optimizer's state registered first, and DDP's gradient buckets added. What is not a torch
+    storage (safetensors' serialized bytes, Python objects) is in neither."""
+
+    def __init__(self, device: torch.device, model: nn.Module | None = None, optimizer=None) -> None:
+        from trainplan import _torch_private as P
+
+        self.device = device
+        self.peak_bytes: int | None = None
+        self.tracker = None
+        self.outside = 0  # held throughout, where the tracker cannot see it: DDP's gradient buckets
+        if device.type != "cuda":
+            self.tracker = P.StorageTracker()
+            if model is not None:
+                self.tracker.track(getattr(model, "module", model), optimizer)
+                self.outside = P.ddp_bucket_bytes(model)
+
+    def __enter__(self) -> PhaseMeter:
+        if self.tracker is not None:
+            self.tracker.__enter__()
+        else:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.tracker is not None:
+            self.tracker.__exit__(*exc)
+            self.peak_bytes = self.tracker.peak_total + self.outside
+            self.tracker = None  # its finalizers must not outlive the phase's objects
+        else:
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+
+
 def to_components(raw: dict[str, int], *, adapter_params: int, states: int, lora: bool, phase: str) -> dict[str, int]:
     """Tracker categories -> ledger components. LoRA's params/grads/states are exactly known, so
     they move to the adapter row; in the optimizer phase, what exceeds the states is temporary.

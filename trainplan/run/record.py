@@ -45,6 +45,7 @@ class RunRecord:
     wall_seconds: float | None = None
     train_seconds: float | None = None
     memory: dict | None = None  # the measured step: {"step", "per_rank": [StepMeter.result()]}
+    phase_memory: dict | None = None  # the run around the step: {"per_rank": [{"device", "load", "evaluate", "save"}]}
     generation: dict | None = None  # inference: prompt and completion
     resume: dict | None = None  # what was resumed from, and what was skipped
     guard: dict | None = None  # the guard's settings and the events it acted on

@@ -25,19 +25,30 @@ DIRNAME = "result"
 MAX_SHARD_SIZE = "5GB"  # transformers' default shard size for save_pretrained
 
 
-def _full_state_dict(model: nn.Module, *, trainable_only: bool) -> dict[str, torch.Tensor]:
-    """The whole (unsharded) state on the CPU: a collective under FSDP, where rank 0 gets it."""
+def _full_state_dict(model: nn.Module, *, trainable_only: bool, main: bool) -> dict[str, torch.Tensor]:
+    """The whole (unsharded) state on the CPU: a collective under FSDP, where rank 0 gets it.
+
+    trainable_only (adapters): only the trainable tensors are gathered. get_model_state_dict's
+    ignore_frozen_params drops the frozen base only after gathering all of it, so saving a LoRA
+    adapter under FSDP all-gathered every base weight in full."""
+    if trainable_only:
+        state = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()  # a collective under FSDP
+                if main:
+                    state[name] = full.cpu()
+        return state
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
-    return get_model_state_dict(model, options=options)
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def save(model: nn.Module, tokenizer, mode: str, out_dir: Path, env: dist.DistEnv) -> dict:
     """Write the result of a training run; returns what the run record keeps of it."""
     base = getattr(model, "module", model)  # DDP's wrapper holds the model itself
     adapter = mode in ("lora", "qlora")
-    state = _full_state_dict(base, trainable_only=adapter)
+    state = _full_state_dict(base, trainable_only=adapter, main=env.is_main)
     final = Path(out_dir) / DIRNAME
     if env.is_main:
         tmp = final.with_name(f".{DIRNAME}.tmp")

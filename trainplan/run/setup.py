@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -12,7 +13,7 @@ import torch
 from trainplan import config as C
 from trainplan.files import require_writable
 from trainplan.resolve import Resolved, require_runnable, resolve
-from trainplan.run import data, dist, guard, step, weights
+from trainplan.run import data, dist, guard, measure, step, weights
 from trainplan.run.checkpoint.manager import refuse_foreign
 from trainplan.run.record import device_label
 
@@ -37,6 +38,7 @@ class Job:
     train: Split
     eval: Split
     model: torch.nn.Module  # on its device, not yet wrapped for data parallelism
+    load_peak_bytes: int | None = None  # the device's measured peak while the weights loaded
 
     @property
     def training(self) -> bool:
@@ -66,8 +68,19 @@ def prepare(cfg: C.RunConfig, env: dist.DistEnv) -> Job:
     seq, vocab = r.batch.seq_len, r.spec.vocab_size
     train, held_out = (Split(docs, *data.pack(docs, tokenizer, seq, vocab)) for docs in (train_docs, eval_docs))
     mesh = dist.mesh(env) if sharded else None
-    model = weights.load_model(cfg, r.spec, r.precision, env.device, dims=r.dims if mesh else None, mesh=mesh)
-    return Job(cfg=cfg, resolved=r, env=env, tokenizer=tokenizer, train=train, eval=held_out, model=model)
+    meter = measure.PhaseMeter(env.device) if cfg.train.measure_memory else None
+    with meter or contextlib.nullcontext():
+        model = weights.load_model(cfg, r.spec, r.precision, env.device, dims=r.dims if mesh else None, mesh=mesh)
+    return Job(
+        cfg=cfg,
+        resolved=r,
+        env=env,
+        tokenizer=tokenizer,
+        train=train,
+        eval=held_out,
+        model=model,
+        load_peak_bytes=meter.peak_bytes if meter else None,
+    )
 
 
 def lr_factor(cfg: C.TrainConfig):

@@ -233,12 +233,14 @@ def _load_one(handle: SafetensorsFile, name: str, tensor: torch.Tensor) -> None:
 
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    from trainplan import _torch_private as P
+
     if handle.shape(name) != tuple(tensor.shape):
         raise TrainplanError(
             f"model.source: {name} has shape {handle.shape(name)}, expected {tuple(tensor.shape)}; "
             "the weights belong to another model"
         )
-    with warnings.catch_warnings():  # the mapping is read-only, and only ever read
+    with warnings.catch_warnings(), P.untracked():  # read-only file bytes: no allocation of torch's
         warnings.simplefilter("ignore", UserWarning)
         src = handle.tensor(name)
     if isinstance(tensor, DTensor):  # FSDP2 shard: keep this rank's slice of the full tensor

@@ -99,11 +99,46 @@ def compare_memory(ledger, measured: list[dict], tolerance: float) -> tuple[list
     return rows, failures
 
 
+def compare_phases(ledger, measured: list[dict], step_peaks: list[int], tolerance: float) -> tuple[list, list]:
+    """The run around the step (load, evaluate, save): each phase's planned total against the
+    device's measured peak in it. A row fails past `tolerance` x the device's peak over the run."""
+    rows, failures = [], []
+    for rank, m in enumerate(measured):
+        dev = ledger.devices[rank] if rank < len(ledger.devices) else ledger.devices[0]
+        phases = [ph for ph in ("load", "evaluate", "save") if m.get(ph) is not None and ph in dev.phases]
+        peak = max([m[ph] for ph in phases] + step_peaks[rank : rank + 1], default=0)
+        for phase in phases:
+            p, g = dev.phase_total(phase), m[phase]
+            row = {
+                "device": f"rank {rank} ({m['device']})",
+                "phase": phase,
+                "component": "total",
+                "components": sorted(c for c, v in dev.phases[phase].items() if v),
+                "planned": p,
+                "measured": g,
+                "abs_error": p - g,
+                "rel_error": (p - g) / g if g else None,
+                "error_of_peak": (p - g) / peak if peak else 0.0,
+                "ok": abs(p - g) <= tolerance * peak,
+            }
+            rows.append(row)
+            if not row["ok"]:
+                failures.append(row)
+    return rows, failures
+
+
 def check_memory(record: RunRecord, ledger, tolerance: float) -> Check:
     mem = record.memory
     if not mem:
         return Check("memory", "Memory, plan vs measured per device", False, "no step was measured", {})
     rows, failures = compare_memory(ledger, mem["per_rank"], tolerance)
+    if record.phase_memory:
+        more, bad = compare_phases(
+            ledger, record.phase_memory["per_rank"], [m["peak_bytes"] for m in mem["per_rank"]], tolerance
+        )
+        load = [r for r in more if r["phase"] == "load"]
+        rows = load + rows + [r for r in more if r["phase"] != "load"]  # in the run's order
+        failures += bad
     worst = max(failures or rows, key=lambda r: abs(r["error_of_peak"]))
     peaks = {f"rank {i} ({m['device']})": m["peak_bytes"] for i, m in enumerate(mem["per_rank"])}
     parts = f" [{', '.join(worst['components'])}]" if worst["components"] else ""
@@ -126,7 +161,8 @@ def check_memory(record: RunRecord, ledger, tolerance: float) -> Check:
         "placement": [m["placement"] for m in mem["per_rank"]],
         "plan_fits": ledger.fits,
         "plan_verdict": ledger.verdict,
-        "method": "storage tracker around one real step (every storage from creation to free, per phase); "
+        "method": "storage tracker around one real step (every storage from creation to free, per phase), "
+        "and around loading the weights, the last evaluation and saving the result (their peaks); "
         "CUDA adds max_memory_allocated/reserved and NVML per phase; RSS is recorded, not compared "
         "(it holds the interpreter, libraries and data)",
     }

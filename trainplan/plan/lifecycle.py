@@ -1,0 +1,160 @@
+"""The run around the step: loading the weights, evaluating held-out data, saving the result.
+
+Each is a phase of the ledger beside forward, backward and optimizer, so the verdict is the
+maximum over the whole run and names the phase where it peaks. Imports no torch.
+
+  load      run/weights.py copies the weights tensor by tensor from the memory-mapped file into the
+            model's own storage: the model as stored, plus one tensor in flight where the path needs
+            one. FSDP materializes each full tensor on the device before it is scattered (and DTensor's
+            random initialization does the same, measured); QLoRA
+            moves a 16-bit linear to the device and packs it there (on the CPU every 16-bit linear
+            is already there when packing begins). Random initialization allocates the model alone.
+  evaluate  run/evaluate.py after training steps: what persists between steps (weights, optimizer
+            states, persistent gradients) and a forward under no_grad over one held-out micro-batch,
+            which saves nothing for backward: the widest layer's working set, or the loss moment
+            (logits, their fp32 copy, log-softmax).
+  save      run/result.py at the end: what persists between steps, plus what the strategy gathers.
+            Without sharding the tensors are written as they are (to the host from a GPU). FSDP
+            all-gathers each tensor in full, one at a time; where the device is the host (CPU
+            ranks), rank 0 keeps every gathered tensor for the state dict it writes.
+"""
+
+from __future__ import annotations
+
+from trainplan.plan import terms as T
+from trainplan.plan.tensors import NF4_BYTES, NF4_CONSTANTS_BYTES, _numel, _tp_numel
+
+# DTensor.full_tensor() while get_model_state_dict gathers one tensor: the all-gather's output, the
+# functional collective's copy and the unpadded result: 3 full-size buffers at once (measured with
+# the storage tracker on 2 gloo ranks; NCCL not yet measured). The main rank's host copy is a 4th.
+GATHER_COPIES = 3
+SHARD_BYTES = 5 * 10**9  # run/result.py's max_shard_size: the largest piece safetensors serializes at once
+
+
+def _largest(ctx: T.RankContext, tensors) -> int:
+    return max((_tp_numel(t, ctx.tp) for t in tensors), default=0)
+
+
+def load(ctx: T.RankContext, weights: T.Term, adapter: T.AdapterTerm, buffers: int) -> tuple[dict[str, int], str]:
+    """The load phase: the model as stored, the adapters, and the tensor in flight."""
+    prec = ctx.prec
+    if ctx.quantized and ctx.cpu:
+        numel = sum(_tp_numel(t, ctx.tp) for t in ctx.quantized)
+        in_flight = int(numel * (prec.frozen_bytes - NF4_BYTES - NF4_CONSTANTS_BYTES))
+        note = "every 16-bit linear is on the CPU before packing begins, in place of its NF4 form"
+    elif ctx.quantized:
+        in_flight = _largest(ctx, ctx.quantized) * prec.frozen_bytes
+        note = f"the largest linear in {ctx.dtype(prec.frozen_bytes)} on the device while it is packed to NF4"
+    elif ctx.fsdp:  # loaded (distribute_tensor) or initialized (DTensor's random ops) alike
+        nbytes = prec.param_bytes if ctx.full else prec.frozen_bytes
+        full = _largest(ctx, ctx.held)
+        in_flight = (full + -(-full // ctx.shard_w)) * nbytes
+        note = "the largest tensor in full on the device, and its shard, while it is scattered or initialized"
+    else:
+        in_flight = 0
+        note = "copied from the memory-mapped file straight into each parameter: nothing beside the model"
+    phase = {"weights": weights.nbytes, "weight_copies": in_flight, "adapter": adapter.weights, "buffers": buffers}
+    return phase, note
+
+
+def forward_working_set(ctx: T.RankContext) -> tuple[int, int, int]:
+    """A forward that saves nothing (inference_mode or no_grad): (inputs, widest layer's working
+    set, loss moment). The layer: residual, normed input, the MLP's gate, up and activation. The
+    loss through the chunked head: the shifted targets, the final hidden state, the head's
+    compute-dtype copy and one chunk's logits. Otherwise: logits, their fp32 copy (none when
+    already fp32, but then reshape copies a strided slice), log-softmax, and the labels."""
+    spec, batch, cb, tp = ctx.spec, ctx.batch, ctx.cb, ctx.tp
+    mb = batch.micro_batch_size
+    tokens = mb * batch.seq_len
+    inputs = 2 * tokens * 8
+    h, inter = spec.hidden_size, spec.intermediate_size // tp
+    layer = 3 * tokens * h * cb + 3 * tokens * inter * cb
+    if not ctx.last:
+        return inputs, layer, 0
+    vocab = -(-spec.vocab_size // tp)
+    if ctx.fused:  # run/loss.py's chunked head: one chunk's logits at a time, as in training
+        prec = ctx.prec
+        head_bytes = cb if ctx.fsdp else (prec.param_bytes if ctx.full else prec.frozen_bytes)
+        rows = min(ctx.cfg.train.loss_chunk_tokens, tokens)
+        cast = vocab * h * cb if head_bytes != cb else 0
+        chunk = rows * vocab * (4 + (cb if cb != 4 else 0)) + (rows * h * cb if ctx.residual != cb else 0)
+        return inputs, layer, tokens * 8 + tokens * h * ctx.residual + cast + chunk + rows * 32
+    copy = 4 if cb != 4 or mb > 1 else 0
+    loss = tokens * vocab * (cb + copy + 4) + mb * (2 * batch.seq_len + 1) * 8
+    return inputs, layer, loss
+
+
+def evaluate(
+    ctx: T.RankContext,
+    weights: T.Term,
+    copies: T.Term,
+    adapter: T.AdapterTerm,
+    grads: T.GradTerm,
+    opt: T.OptTerm,
+    buffers: int,
+    comm: T.CommTerm,
+) -> tuple[dict[str, int], str]:
+    """Evaluation between or after training steps."""
+    inputs, layer, loss = forward_working_set(ctx)
+    phase = {
+        "weights": weights.nbytes,
+        "weight_copies": copies.nbytes,
+        "adapter": adapter.live,
+        "gradients": grads.live_fwd,
+        "optimizer": opt.states,
+        "activations": inputs + (0 if loss >= layer else layer),
+        "logits_loss": loss if loss >= layer else 0,
+        "buffers": buffers,
+        "comm_buffers": comm.steady,
+    }
+    note = (
+        "a no_grad forward over one held-out micro-batch beside what persists between steps; "
+        + ("the loss moment is its widest" if loss >= layer else "its widest layer")
+        + (f" (the chunked head: {ctx.cfg.train.loss_chunk_tokens} tokens' logits at a time)" if ctx.fused else "")
+    )
+    return phase, note
+
+
+def save(
+    ctx: T.RankContext,
+    weights: T.Term,
+    adapter: T.AdapterTerm,
+    grads: T.GradTerm,
+    opt: T.OptTerm,
+    buffers: int,
+) -> tuple[dict[str, int], str]:
+    """Saving the result: the state after the last step, plus what the strategy gathers."""
+    prec = ctx.prec
+    gathered, note = 0, "written as it is (from a GPU, copied to the host a tensor at a time)"
+    if ctx.fsdp:
+        if ctx.full:
+            saved = [_tp_numel(t, ctx.tp) for t in ctx.held]
+            nbytes = prec.param_bytes
+        else:
+            saved = _lora_numels(ctx)
+            nbytes = 4
+        largest = max(saved, default=0) * nbytes
+        if ctx.cpu and ctx.rank == 0:
+            gathered = sum(saved) * nbytes + GATHER_COPIES * largest
+            note = (
+                "rank 0 gathers every tensor in full and keeps them, on the host, for the file it writes; "
+                f"the tensor being gathered is held {GATHER_COPIES + 1} times over meanwhile"
+            )
+        else:
+            gathered = GATHER_COPIES * largest
+            note = f"each tensor gathered in full, one at a time, {GATHER_COPIES} buffers of it at once" + (
+                "" if ctx.cpu else ", then copied to the host"
+            )
+    phase = {
+        "weights": weights.nbytes,
+        "weight_copies": gathered,
+        "adapter": adapter.weights + adapter.states,
+        "gradients": grads.live_fwd,
+        "optimizer": opt.states,
+        "buffers": buffers,
+    }
+    return phase, note
+
+
+def _lora_numels(ctx: T.RankContext) -> list[int]:
+    return [_numel(shape) for shape in ctx.lora_shapes]
