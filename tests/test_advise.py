@@ -404,9 +404,8 @@ def test_out_file_for_70b_on_8_a100_passes_trains_own_checks(tmp_path, capsys):
     ],
 )
 def test_training_length_and_data_flags_refuse_bad_input(flags, message):
-    from trainplan.errors import ConfigError
-
     from trainplan.commands import advise as advise_cmd
+    from trainplan.errors import ConfigError
 
     args = cli.build_parser().parse_args(["advise", "Llama-3.1-8B", "--gpus", "8xA100-80GB", *flags])
     with pytest.raises(ConfigError, match=message):

@@ -159,3 +159,30 @@ def test_flags_reach_verify_resume_runs_as_settings():
 def test_verify_resume_refuses_k_outside_the_run():
     r = run("verify-resume", "--steps", "4", "--at", "4")
     assert r.returncode == 2 and "--at: must be between 1 and 3 (got 4)" in r.stderr
+
+
+def test_an_unexpected_error_is_one_line_and_its_traceback_is_kept(monkeypatch, capsys, tmp_path):
+    """A bug is not bad input: exit 1, one line naming the exception and a file with the traceback."""
+    import re
+
+    from trainplan.commands import plan as plan_cmd
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # tracebacks go under ~/.cache/trainplan/tracebacks
+
+    def broken(args):
+        raise ZeroDivisionError("division by zero\nsecond line")
+
+    monkeypatch.setattr(plan_cmd, "run", broken)
+    assert cli.main(["plan"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "trainplan plan: internal error: ZeroDivisionError: division by zero" in lines[0]
+    saved = Path(re.search(r"traceback: (\S+);", lines[0]).group(1))
+    assert saved.is_relative_to(tmp_path) and "raise ZeroDivisionError" in saved.read_text()
+
+
+def test_a_sequence_beyond_the_context_is_refused_unless_extended(capsys):
+    argv = ["plan", "--model", "Llama-3.2-1B", "--gpus", "H100-80GB", "--seq", "200000"]
+    assert cli.main(argv) == 2
+    assert "batch.seq_len: 200000 exceeds the model's context of 131072" in capsys.readouterr().err
+    assert cli.main([*argv, "--set", "model.extend_context=true"]) in (0, 1)  # planned: fits or not
+    assert "quality beyond it is not assured" in capsys.readouterr().out

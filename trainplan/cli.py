@@ -4,6 +4,7 @@ trainplan/commands/<name>.py with `add_args(p)` and `run(args) -> int`."""
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import sys
@@ -29,8 +30,15 @@ def command(name: str):
     return importlib.import_module(f"trainplan.commands.{COMMANDS[name]}")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (its default prints the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainplan", description="Plan, run and verify LLM fine-tuning.")
+    parser = Parser(prog="trainplan", description="Plan, run and verify LLM fine-tuning.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         module = command(name)
@@ -41,7 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0), or a flag argparse could not read (2, one line)
+        return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     # bitsandbytes' CPU backend warns when peft imports it, about an optional `kernels` package
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
@@ -49,3 +60,58 @@ def main(argv: list[str] | None = None) -> int:
     except TrainplanError as e:
         print(f"trainplan {args.command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training loop
+        print(f"trainplan {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (OSError, UnicodeDecodeError) as e:  # a path the user named: missing, unreadable, full, not text
+        print(f"trainplan {args.command}: error: {os_error_text(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as e:  # a bug: one line, the traceback kept in a file
+        where = save_traceback()
+        print(
+            f"trainplan {args.command}: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            f" (traceback: {where}; please report it)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
+
+
+EXIT_INTERNAL = 1
+
+
+def os_error_text(e: BaseException) -> str:
+    """One line for an OS or decoding error on a path the user gave, with what to do."""
+    if isinstance(e, UnicodeDecodeError):
+        return f"a file is not UTF-8 text ({e.reason} at byte {e.start}); give a UTF-8 text file"
+    name = f" {e.filename!r}" if getattr(e, "filename", None) else ""
+    fixes = {
+        errno.ENOSPC: "free space on that filesystem, or write elsewhere",
+        errno.EROFS: "the filesystem is read-only: write elsewhere",
+        errno.EACCES: "check its permissions, or write elsewhere",
+        errno.EPERM: "check its permissions, or write elsewhere",
+        errno.ENOENT: "check the path",
+        errno.EISDIR: "give a file, not a directory",
+        errno.ENOTDIR: "a part of the path is a file, not a directory",
+    }
+    fix = fixes.get(getattr(e, "errno", None), "check the path")
+    return f"{e.strerror or type(e).__name__}:{name}; {fix}".replace("\n", " ")
+
+
+def save_traceback() -> str:
+    """Write the current exception's traceback to a file; returns its path."""
+    import os
+    import tempfile
+    import time
+    import traceback
+
+    text = traceback.format_exc()
+    for root in (os.path.expanduser("~/.cache/trainplan/tracebacks"), tempfile.gettempdir()):
+        try:
+            os.makedirs(root, exist_ok=True)
+            path = os.path.join(root, f"trainplan-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt")
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+            return path
+        except OSError:
+            continue
+    return "not saved: no writable directory"

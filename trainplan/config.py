@@ -59,6 +59,9 @@ class ModelConfig:
     # config.json has none and is refused by train. random: train from scratch, asked for explicitly.
     init: str = "auto"
     cache_dir: str = "~/.cache/trainplan"  # GGUF files are converted once to safetensors here
+    # a sequence beyond the model's max_position_embeddings is refused unless asked for (RoPE
+    # scaling, or an experiment in extrapolation): quality beyond it is not assured
+    extend_context: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source.strip():
@@ -98,7 +101,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     eval_every: int = 0  # 0: evaluate before and after only
     eval_batches: int = 8  # micro-batches of held-out data per evaluation; 0: the whole split
-    output_dir: str = "runs/latest"
+    output_dir: str = ""  # "": a directory of its own per run, runs/<date>-<time>-<id> (run/setup.py)
     stop_after: int = 0  # stop after this many steps without changing the schedule (an interruption)
     measure_memory: bool = True  # measure one real step per phase and device (the run's second step)
     overfit_batches: int = 0  # >0: every step reuses these first micro-batches (the overfit check)
@@ -211,6 +214,11 @@ class OptimConfig:
         _choice("optim", "implementation", self.implementation, OPTIM_IMPLS)
         if isinstance(self.lr, bool) or not isinstance(self.lr, int | float) or self.lr <= 0:
             raise ConfigError("optim.lr", f"must be positive (got {self.lr!r})", "set optim.lr, e.g. 1e-4")
+        wd = self.weight_decay
+        if isinstance(wd, bool) or not isinstance(wd, int | float) or wd < 0:
+            raise ConfigError(
+                "optim.weight_decay", f"must be >= 0 (got {self.weight_decay!r})", "set optim.weight_decay, e.g. 0.01"
+            )
 
 
 @dataclass(kw_only=True)
@@ -344,6 +352,8 @@ def from_dict(tree: dict) -> RunConfig:
     """Build and validate a RunConfig from a TOML-shaped dict; unknown keys are errors."""
     tree = dict(tree)
     run = tree.pop("run", {}) or {}
+    if not isinstance(run, dict):
+        raise ConfigError("run", f"must be a table of settings (got {run!r})", 'write e.g. [run] with mode = "lora"')
     top = {k: tree.pop(k) for k in _TOP_KEYS if k in tree}
     top.update({k: v for k, v in run.items()})
     sections: dict[str, Any] = {}
@@ -357,9 +367,11 @@ def from_dict(tree: dict) -> RunConfig:
                 raise ConfigError(
                     f"{name}.{key}", "unknown setting", nearest(f"{name}.{key}", sorted(f"{name}.{a}" for a in allowed))
                 )
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
         for key, value in body.items():  # nan and inf pass every range check (nan <= 0 is False)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{name}.{key}", f"must be a finite number (got {value})", "give a finite value")
+            check_type(f"{name}.{key}", types[key], value)
         try:
             sections[name] = cls(**body)
         except TypeError as e:  # wrong type that the dataclass itself rejected
@@ -367,7 +379,34 @@ def from_dict(tree: dict) -> RunConfig:
     for key in top:
         if key not in _TOP_KEYS:
             raise ConfigError(f"run.{key}", "unknown setting", nearest(key, list(_TOP_KEYS)))
+        check_type(f"run.{key}", "str", top[key])
     return RunConfig(**top, **sections)
+
+
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def check_type(where: str, annotation: str, value: Any) -> None:
+    """`value` has the field's declared type (annotations are strings here: "int", "float",
+    "bool", "str", "list[str]", "int | None"). A string where a list is expected is refused rather
+    than split into letters; an int is a valid float; no bool is an int."""
+    kinds = [a.strip() for a in str(annotation).split("|")]
+    if "None" in kinds and value is None:
+        return
+    for kind in kinds:
+        if kind == "bool" and isinstance(value, bool):
+            return
+        if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if kind == "float" and isinstance(value, int | float) and not isinstance(value, bool):
+            return
+        if kind == "str" and isinstance(value, str):
+            return
+        if kind == "list[str]" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return
+    want = " or ".join(_TYPE_WORDS.get(k, "a list of strings" if k == "list[str]" else k) for k in kinds if k != "None")
+    example = {"list[str]": '["q_proj", "v_proj"]', "bool": "true", "str": '"..."'}.get(kinds[0], "1")
+    raise ConfigError(where, f"must be {want} (got {value!r})", f"write e.g. {where} = {example}")
 
 
 def load(

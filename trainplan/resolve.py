@@ -72,6 +72,13 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
             f"{cfg.batch.seq_len} exceeds the {spec.learned_positions} learned positions of {spec.name}",
             f"use batch.seq_len <= {spec.learned_positions}",
         )
+    context = spec.max_position_embeddings
+    if not spec.learned_positions and cfg.batch.seq_len > context and not cfg.model.extend_context:
+        raise ConfigError(
+            "batch.seq_len",
+            f"{cfg.batch.seq_len} exceeds the model's context of {context} ({spec.name})",
+            f"use batch.seq_len <= {context}, or set model.extend_context = true for RoPE-scaled use",
+        )
     if cfg.mode in ("lora", "qlora"):
         known = {lin.module for lin in spec.layer_linears}
         for target in cfg.lora.target_modules:
@@ -138,7 +145,7 @@ def require_runnable(cfg: C.RunConfig, dims: ParallelDims, *, max_positions: int
             "use parallel.strategy = ddp",
             what="sharded QLoRA",
         )
-    if max_positions is not None and cfg.batch.seq_len > max_positions:
+    if max_positions is not None and cfg.batch.seq_len > max_positions and not cfg.model.extend_context:
         raise NotRunnable(
             "batch.seq_len",
             f"{cfg.batch.seq_len} exceeds the model's context of {max_positions}",

@@ -94,7 +94,7 @@ def test_malformed_config_json_names_file_and_position(tmp_path):
 def test_config_json_with_bad_size_names_the_key(tmp_path):
     cfg = {**M.preset_config("Llama-3.2-1B"), "hidden_size": 0}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="hidden_size: must be a positive integer"):
+    with pytest.raises(ConfigError, match=r"^model\.source: .*config\.json: hidden_size must be a positive integer"):
         M.load_model_spec(str(tmp_path / "config.json"))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from trainplan.errors import TrainplanError
 from trainplan.files import write_atomic
 
 EXIT_BAD_INPUT = 2
@@ -94,7 +95,13 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
 
 def emit(args: argparse.Namespace, text: str) -> None:
     if getattr(args, "output", None):
-        write_atomic(args.output, text if text.endswith("\n") else text + "\n")
+        try:
+            write_atomic(args.output, text if text.endswith("\n") else text + "\n")
+        except OSError as e:
+            raise TrainplanError(
+                f"--output: cannot write {str(args.output)!r} ({e.strerror or e}); "
+                "give a file path in a writable directory"
+            ) from None
     else:
         print(text)
 
@@ -112,3 +119,19 @@ def quiet_libraries() -> None:
 
 def warn(command: str, text: str) -> None:
     print(f"trainplan {command}: warning: {text}", file=sys.stderr)
+
+
+MAX_NPROC = 1024  # ranks one torchrun --standalone launch starts on this machine
+
+
+def check_nproc(value: int) -> None:
+    if isinstance(value, bool) or not 1 <= value <= MAX_NPROC:
+        raise TrainplanError(f"--nproc: must be between 1 and {MAX_NPROC} (got {value}); e.g. --nproc 2")
+
+
+def check_fraction(flag: str, value: float, *, zero_ok: bool = False, example: str = "0.05") -> None:
+    """A float flag in (0, 1) ([0, 1) with zero_ok), refusing nan."""
+    low_ok = value >= 0 if zero_ok else value > 0
+    if not (low_ok and value < 1):  # nan fails both comparisons
+        interval = "[0, 1)" if zero_ok else "(0, 1)"
+        raise TrainplanError(f"{flag}: must be in {interval} (got {value}); e.g. {flag} {example}")

@@ -6,9 +6,17 @@ import argparse
 import json
 from pathlib import Path
 
-from trainplan.commands._common import add_config_args, add_registry_arg, quiet_libraries, settings_from_args, warn
+from trainplan.commands._common import (
+    add_config_args,
+    add_registry_arg,
+    check_fraction,
+    check_nproc,
+    quiet_libraries,
+    settings_from_args,
+    warn,
+)
 from trainplan.errors import TrainplanError
-from trainplan.files import write_atomic
+from trainplan.files import require_writable, write_atomic
 
 HELP = (
     "the acceptance run: mode contract, memory plan vs measured per device, step, quality, resume, "
@@ -56,8 +64,10 @@ def run(args: argparse.Namespace) -> int:
 
         if comp.strip() not in COMPONENTS:  # checked before any work starts
             raise TrainplanError(f"--perturb-plan: no plan component {comp.strip()!r}; one of {', '.join(COMPONENTS)}")
-    if not 0 < args.tolerance < 1:
-        raise TrainplanError(f"--tolerance: must be in (0, 1) (got {args.tolerance}); e.g. 0.05")
+    check_fraction("--tolerance", args.tolerance)
+    check_nproc(args.nproc)
+    if args.resume_steps < 2:
+        raise TrainplanError(f"--resume-steps: must be >= 2 (got {args.resume_steps}); e.g. --resume-steps 4")
     if not 0 < args.resume_at < args.resume_steps:
         raise TrainplanError(f"--resume-at: must be between 1 and {args.resume_steps - 1}; choose k < N")
     if args.overfit_steps < 2:
@@ -65,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     # the shipped demo config unless one is given; flags and --set override either
     cfg = load(args.config or accept.DEFAULT_CONFIG, args.set, settings_from_args(args))
     out = Path(args.output_dir)
+    require_writable(out, "--output-dir")  # before any run: the reports must have somewhere to go
     result = accept.accept(
         cfg,
         out_dir=out,

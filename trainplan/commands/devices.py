@@ -60,16 +60,22 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise TrainplanError(f"--min-matmul-ratio: must be in (0, 1] (got {args.min_matmul_ratio:g}); e.g. 0.5")
     if args.allreduce_mib is not None and not 0 < args.allreduce_mib <= 16384:
         raise TrainplanError(f"--allreduce-mib: must be in (0, 16384] (got {args.allreduce_mib:g}); e.g. 256")
+    if args.gpus is not None:
+        _indices(args.gpus)
+
+
+def _indices(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise TrainplanError(f"--gpus: {text!r} is not a list of GPU indices; write e.g. 0,1") from None
 
 
 def _targets(args: argparse.Namespace, inv: Inventory) -> list[DeviceInfo]:
     """The devices to check: --gpus, else every GPU, else the CPU."""
     if args.gpus is None:
         return inv.gpus or inv.devices
-    try:
-        wanted = [int(x) for x in args.gpus.split(",") if x.strip()]
-    except ValueError:
-        raise TrainplanError(f"--gpus: {args.gpus!r} is not a list of GPU indices; write e.g. 0,1") from None
+    wanted = _indices(args.gpus)
     n = len(inv.gpus)
     missing = [i for i in wanted if not 0 <= i < n]
     if missing or not wanted:

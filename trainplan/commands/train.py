@@ -71,9 +71,12 @@ def execute(cfg, registry_arg: str | None = None, *, quiet: bool = False):
     from trainplan.run import loop, record
 
     rec, env = loop.run(cfg, quiet=quiet)
-    if env.is_main:
+    if env.is_main:  # the record first: the registry never lists a run whose record was not written
+        out = Path(rec.config["train"]["output_dir"])
+        record.write(rec, out)
         register(rec, registry_arg, record.device_name(env))
-        record.write(rec, Path(rec.config["train"]["output_dir"]))
+        if rec.registry_id is not None:
+            record.write(rec, out)
     return rec, env
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from trainplan.commands._common import add_config_args, config_from_args, settings_from_args
+from trainplan.commands._common import add_config_args, check_nproc, config_from_args, settings_from_args
 from trainplan.config import toml_literal
 from trainplan.errors import TrainplanError
 
@@ -30,6 +30,11 @@ def run(args: argparse.Namespace) -> int:
     # every flag reaches the three runs as --set, ahead of the user's own --set (which win)
     flags = [f"{key}={toml_literal(value)}" for key, value in settings_from_args(args).items()]
     passthrough = ([args.config] if args.config else []) + [x for item in flags + args.set for x in ("--set", item)]
+    check_nproc(args.nproc)
+    if not (args.tolerance >= 0 and args.tolerance < float("inf")):  # nan fails both
+        raise TrainplanError(f"--tolerance: must be a finite number >= 0 (got {args.tolerance}); 0 means bitwise")
+    if args.steps < 2:
+        raise TrainplanError(f"--steps: must be >= 2 (got {args.steps}); e.g. --steps 6")
     if not 0 < args.at < args.steps:
         raise TrainplanError(f"--at: must be between 1 and {args.steps - 1} (got {args.at}); choose k < N")
     from trainplan.verify.resume import verify

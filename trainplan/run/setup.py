@@ -16,6 +16,7 @@ from trainplan.resolve import Resolved, require_runnable, resolve
 from trainplan.run import data, dist, guard, measure, step, weights
 from trainplan.run.checkpoint.manager import refuse_foreign
 from trainplan.run.record import device_label
+from trainplan.spec.devices import parse_devices
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,19 @@ class Job:
 def prepare(cfg: C.RunConfig, env: dist.DistEnv) -> Job:
     """Resolve the config for the devices actually present, refuse what the engine cannot run,
     then build data and model."""
-    cfg = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, gpus=device_label(env)))
+    if cfg.checkpoint.resume == "auto" and not (cfg.train.output_dir or cfg.checkpoint.dir):
+        raise C.ConfigError(
+            "checkpoint.resume",
+            '"auto" looks in the run\'s own directory, and a run without train.output_dir gets a new, empty one',
+            "give the --output-dir (or checkpoint.dir) of the run to continue",
+        )
+    if cfg.hardware.gpus not in ("auto", ""):  # train runs on the devices present; a typo is still refused
+        parse_devices(cfg.hardware.gpus, cfg.hardware.gpu_mem)
+    cfg = dataclasses.replace(
+        cfg,
+        hardware=dataclasses.replace(cfg.hardware, gpus=device_label(env)),
+        train=dataclasses.replace(cfg.train, output_dir=cfg.train.output_dir or default_output_dir(env)),
+    )
     r = resolve(cfg)
     require_runnable(cfg, r.dims, max_positions=r.spec.max_position_embeddings, cuda=env.device.type == "cuda")
     # what can fail fast does, before any weights or tokenizer load: where the run writes, the data
@@ -81,6 +94,17 @@ def prepare(cfg: C.RunConfig, env: dist.DistEnv) -> Job:
         model=model,
         load_peak_bytes=meter.peak_bytes if meter else None,
     )
+
+
+def default_output_dir(env: dist.DistEnv) -> str:
+    """A directory of its own for a run that names none: runs/<date>-<time>-<6 hex>, chosen by
+    rank 0 for every rank. (A shared default let one run prune, or resume from, another's
+    checkpoints.)"""
+    import secrets
+    import time
+
+    mine = f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    return env.gather(mine)[0]
 
 
 def lr_factor(cfg: C.TrainConfig):

@@ -214,6 +214,9 @@ def detect() -> list[DeviceSpec]:
     return [cpu_device()]
 
 
+MAX_DEVICE_COUNT = 65536  # a bound on one job's devices: larger counts are typos, and the plan is per rank
+
+
 def parse_devices(text: str, gpu_mem: str | None = None, field: str = "hardware.gpus") -> list[DeviceSpec]:
     """'8xH100-80GB', 'A100-80GB,RTX4090', '2x24GiB', 'cpu', '4xcpu' or 'auto' -> one spec per rank."""
     if not text or not str(text).strip():
@@ -227,6 +230,12 @@ def parse_devices(text: str, gpu_mem: str | None = None, field: str = "hardware.
         for part in str(text).split(","):
             m = re.match(r"^\s*(\d+)\s*[x×*]\s*(.+)$", part)
             count, name = (int(m.group(1)), m.group(2)) if m else (1, part)
+            if count > MAX_DEVICE_COUNT:
+                raise ConfigError(
+                    field,
+                    f"{count} devices in {part.strip()!r} is more than trainplan plans for ({MAX_DEVICE_COUNT})",
+                    "write the devices of the job, e.g. 64xH100-80GB",
+                )
             if count < 1:
                 raise ConfigError(
                     field, f"device count must be at least 1 in {part.strip()!r}", "write e.g. 8xH100-80GB"

@@ -250,21 +250,23 @@ class ModelSpec:
 
 def _req(cfg: dict, key: str, where: str) -> int:
     if key not in cfg or cfg[key] is None:
-        raise ConfigError(f"{where}:{key}", "missing", "the config.json must define it")
+        raise ConfigError("model.source", f"{where}: {key} is missing", "the config.json must define it")
     val = cfg[key]
     if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-        raise ConfigError(f"{where}:{key}", f"must be a positive integer (got {val!r})", "fix the config.json value")
+        raise ConfigError(
+            "model.source", f"{where}: {key} must be a positive integer (got {val!r})", "fix the config.json value"
+        )
     return val
 
 
 def from_hf_config(cfg: dict, *, name: str, where: str = "config.json") -> ModelSpec:
     """Build a ModelSpec from a transformers config.json dict."""
     if not isinstance(cfg, dict):
-        raise ConfigError(where, "is not a JSON object", "pass a transformers config.json")
+        raise ConfigError("model.source", f"{where} is not a JSON object", "pass a transformers config.json")
     mt = cfg.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
-            f"{where}:model_type", f"unsupported model_type {mt!r}", "supported: " + ", ".join(SUPPORTED_MODEL_TYPES)
+            "model.source", f"{where}: unsupported model_type {mt!r}", "supported: " + ", ".join(SUPPORTED_MODEL_TYPES)
         )
     if mt == "gpt2":
         h = _req(cfg, "n_embd", where)
@@ -300,8 +302,8 @@ def from_hf_config(cfg: dict, *, name: str, where: str = "config.json") -> Model
     kv = cfg.get("num_key_value_heads") or heads
     if h % heads and not cfg.get("head_dim"):
         raise ConfigError(
-            f"{where}:num_attention_heads",
-            f"{heads} does not divide hidden_size {h}",
+            "model.source",
+            f"{where}: num_attention_heads {heads} does not divide hidden_size {h}",
             "set head_dim explicitly or fix the head count",
         )
     head_dim = cfg.get("head_dim") or h // heads
@@ -351,13 +353,15 @@ def preset_config(name: str) -> dict:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ConfigError(
-            str(path),
-            f"malformed JSON at line {e.lineno} column {e.colno} ({e.msg})",
+            "model.source",
+            f"{path}: malformed JSON at line {e.lineno} column {e.colno} ({e.msg})",
             "fix the file or point model.source at a valid config.json",
         ) from None
+    except UnicodeDecodeError:
+        raise ConfigError("model.source", f"{path} is not UTF-8 text", "point model.source at a config.json") from None
 
 
 def default_gguf_path() -> Path:
@@ -500,11 +504,13 @@ def gguf_config(path: Path) -> dict:
     try:
         meta, tensor_names = _read_gguf_header(path)
     except (OSError, ValueError, EOFError) as e:
-        raise ConfigError(str(path), f"cannot read GGUF metadata ({e})", "pass a valid .gguf file") from None
+        raise ConfigError(
+            "model.source", f"{path}: cannot read GGUF metadata ({e})", "pass a valid .gguf file"
+        ) from None
     arch = meta.get("general.architecture")
     if arch not in _GGUF_TO_HF:
         raise ConfigError(
-            f"{path}:general.architecture", f"unsupported architecture {arch!r}", "supported: " + ", ".join(_GGUF_TO_HF)
+            "model.source", f"{path}: unsupported architecture {arch!r}", "supported: " + ", ".join(_GGUF_TO_HF)
         )
     heads = meta.get(f"{arch}.attention.head_count")
     cfg = {

@@ -8,10 +8,12 @@ its step-time estimate from the measured tokens/s here.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from trainplan.errors import TrainplanError
@@ -49,15 +51,31 @@ def path(explicit: str | None = None) -> Path | None:
     return Path(explicit or DEFAULT).expanduser()
 
 
-def _connect(db: Path, *, create: bool) -> sqlite3.Connection:
+@contextlib.contextmanager
+def _connect(db: Path, *, create: bool) -> Iterator[sqlite3.Connection]:
+    """A connection to the registry, its table created or migrated (older registries lack newer
+    columns: they are added, empty). A file that is not a registry is one line naming --registry."""
     if not create and not db.is_file():
         raise TrainplanError(f"registry: no run registry at {db}; run `trainplan train` or `trainplan accept` first")
-    db.parent.mkdir(parents=True, exist_ok=True)
-    con = sqlite3.connect(db, timeout=30)
-    con.row_factory = sqlite3.Row
-    cols = ", ".join(f"{name} {kind}" for name, kind in COLUMNS)
-    con.execute(f"CREATE TABLE IF NOT EXISTS runs (id INTEGER PRIMARY KEY AUTOINCREMENT, {cols})")
-    return con
+    try:
+        db.parent.mkdir(parents=True, exist_ok=True)
+        con = sqlite3.connect(db, timeout=30)
+        try:
+            con.row_factory = sqlite3.Row
+            cols = ", ".join(f"{name} {kind}" for name, kind in COLUMNS)
+            con.execute(f"CREATE TABLE IF NOT EXISTS runs (id INTEGER PRIMARY KEY AUTOINCREMENT, {cols})")
+            have = {r[1] for r in con.execute("PRAGMA table_info(runs)")}
+            for name, kind in COLUMNS:
+                if name not in have:
+                    con.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")
+            with con:
+                yield con
+        finally:
+            con.close()
+    except sqlite3.Error as e:
+        raise TrainplanError(
+            f"--registry: {db} is not a readable trainplan run registry ({e}); give another path, or move it aside"
+        ) from None
 
 
 def config_hash(cfg_dict: dict) -> str:

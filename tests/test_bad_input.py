@@ -1,0 +1,280 @@
+"""Every bad input: exit 2, one line on stderr naming the field and the fix, no traceback, nothing
+on stdout, nothing written. In-process through `cli.main` (each case takes milliseconds); the
+table is generated per config field (wrong types, non-finite numbers) and listed by hand for
+ranges, files, outputs and each command's own flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from trainplan import cli
+from trainplan import config as C
+
+# A wrong-typed value for each declared type (TOML literals, as --set reads them).
+WRONG = {"int": '"lots"', "float": '"lots"', "bool": '"maybe"', "str": "5", "list[str]": '"q_proj"'}
+
+
+def _fields():
+    for section, cls in C._SECTION_TYPES.items():
+        for f in dataclasses.fields(cls):
+            yield section, f.name, str(f.type).split("|")[0].strip()
+
+
+TYPE_CASES = [
+    (["plan", "--set", f"{s}.{n}={WRONG[t]}"], rf"^{s}\.{n}: must be ") for s, n, t in _fields() if t in WRONG
+] + [
+    (["plan", "--set", "mode=5"], r"^run\.mode: must be a string"),
+    (["plan", "--set", "run=5"], r"^run: unknown setting"),
+]
+
+NONFINITE_CASES = [
+    (["plan", "--set", f"{s}.{n}={v}"], rf"^{s}\.{n}: must be a finite number")
+    for s, n, t in _fields()
+    if t == "float"
+    for v in ("nan", "inf", "-inf")
+]
+
+RANGE_CASES = [
+    (["plan", "--set", item], rf"^(run[.])?{item.split('=')[0].replace('.', '[.]')}: ")
+    for item in [
+        "optim.lr=0",
+        "optim.lr=-1e-4",
+        "optim.weight_decay=-1",
+        "train.max_grad_norm=-1",
+        "train.steps=0",
+        "train.seed=-1",
+        "train.warmup_steps=-1",
+        "train.eval_every=-1",
+        "train.eval_batches=-1",
+        "train.stop_after=-1",
+        "train.overfit_batches=-1",
+        "train.loss_chunk_tokens=0",
+        "checkpoint.every=-1",
+        "checkpoint.keep_last=0",
+        "lora.r=0",
+        "lora.alpha=0",
+        "lora.dropout=1",
+        "lora.dropout=-0.1",
+        "lora.target_modules=[]",
+        "data.eval_fraction=0",
+        "data.eval_fraction=1",
+        "data.eval_fraction=-0.5",
+        "guard.window=1",
+        "guard.threshold=0",
+        "guard.threshold=-3",
+        "guard.min_history=-1",
+        "guard.min_loss_scale=0",
+        "guard.rollback_skip=-1",
+        "guard.rollback_lr_factor=0",
+        "guard.max_rollbacks=-1",
+        "guard.on_spike=explode",
+        "guard.on_nonfinite=ignore",
+        "hardware.allocator_reserve=-0.1",
+        "hardware.allocator_reserve=1",
+        "hardware.safety_margin=1",
+        "hardware.cuda_context_mib=-1",
+        "hardware.cublas_workspace_mib=-1",
+        "hardware.cpu_runtime_mib=-1",
+        "batch.seq_len=0",
+        "batch.micro_batch_size=0",
+        "batch.grad_accum_steps=0",
+        "batch.global_batch_size=0",
+        "parallel.tp=0",
+        "parallel.pp=0",
+        "parallel.strategy=zero4",
+        "memory.attention=flash9",
+        "optim.name=adam",
+        "optim.implementation=turbo",
+        "model.init=pretend",
+        "model.source=",
+        "train.schedule=linear",
+        "precision=fp8",
+        "mode=pretrain",
+    ]
+]
+
+FLAG_CASES = [
+    (["plan", "--seq", "0"], r"^batch\.seq_len: must be an integer >= 1"),
+    (["plan", "--micro-batch", "-2"], r"^batch\.micro_batch_size: must be an integer >= 1"),
+    (["plan", "--gpus", "4090"], r"^hardware\.gpus: .*RTX4090"),
+    (["plan", "--gpus", "H1000"], r"^hardware\.gpus: unknown device 'H1000'"),
+    (["plan", "--gpus", "99999999999xH100-80GB"], r"^hardware\.gpus: "),
+    (["plan", "--gpus", "0xH100-80GB"], r"^hardware\.gpus: "),
+    (["plan", "--gpus", "-2xH100-80GB"], r"^argument --gpus: expected one argument; see trainplan plan --help"),
+    (["plan", "--gpus=-2xH100-80GB"], r"^hardware\.gpus: "),
+    (["plan", "--seq", "many"], r"^argument --seq: invalid int value"),
+    (["plan", "--no-such-flag"], r"^unrecognized arguments"),
+    (["nosuchcommand"], r"^argument COMMAND: invalid choice"),
+    (["plan", "--gpus", ""], r"^hardware\.gpus: "),
+    (["plan", "--gpus", "2x"], r"^hardware\.gpus: "),
+    (["plan", "--gpu-mem", "lots"], r"^hardware\.gpu_mem: "),
+    (["plan", "--gpu-mem=-24GiB"], r"^hardware\.gpu_mem: "),
+    (["plan", "--gpu-mem", "24"], r"^hardware\.gpu_mem: "),
+    (["plan", "--model", "Llama-3.1-8C"], r"^model\.source: unknown preset 'Llama-3.1-8C'"),
+    (["plan", "--mode", "lorra"], r"^run\.mode: unknown value 'lorra'"),
+    (["plan", "--set", "batch.seqlen=4"], r"^batch\.seqlen: unknown setting; did you mean 'batch\.seq_len'"),
+    (["plan", "--set", "nosuchsection.x=1"], r"^nosuchsection\.x: unknown setting"),
+    (["plan", "--set", "batch.seq_len"], r"^--set: 'batch\.seq_len' is not key=value"),
+    (["plan", "--gpus", "3xH100-80GB", "--tp", "2"], r"^parallel\.tp: tp 2 x pp 1 = 2 does not divide"),
+    (["plan", "--model", "GPT-2", "--gpus", "16xA100-80GB", "--pp", "16"], r"^parallel\.pp: 16 pipeline stages"),
+    (["plan", "--gpus", "cpu", "--global-batch", "3", "--micro-batch", "2"], r"^batch\.global_batch_size: 3 is not"),
+    (["plan", "--mode", "qlora", "--gpus", "cpu"], r"^run\.mode: qlora needs CUDA GPUs"),
+    (["plan", "--model", "GPT-2", "--seq", "100000000"], r"^batch\.seq_len: "),
+    (["trace", "--model", "GPT-2", "--seq", "100000000"], r"^batch\.seq_len: "),
+    (["plan", "--model", "Llama-3.2-1B", "--seq", "1000000"], r"^batch\.seq_len: 1000000 exceeds the model's context"),
+    (["trace", "--model", "Llama-3.2-1B", "--seq", "100000000"], r"^batch\.seq_len: 100000000 exceeds the model's"),
+    (["advise", "Qwen2.5-0.5B", "--gpus", "cpu", "--seq", "1000000"], r"^batch\.seq_len: 1000000 exceeds the"),
+    (["advise", "Llama-3.1-8B", "--gpus", "8xH100-80GB", "--mode", "fast"], r"^--mode: unknown value 'fast'"),
+    (["advise", "Llama-3.1-8B", "--gpus", "8xH100-80GB", "--prefer", "cheap"], r"^--prefer: unknown value"),
+    (["advise", "Llama-3.1-8B", "--gpus", "8xH100-80GB", "--format", "xml"], r"^--format: unknown value"),
+    (["advise", "Llama-3.1-8B", "--gpus", "8xH100-80GB", "--margin", "0.95"], r"^--margin: must be in"),
+    (["advise", "Llama-3.1-8B", "--gpus", "8xH100-80GB", "--margin", "nan"], r"^--margin: must be in"),
+    (["advise", "Llama-3.1-8B", "--gpus", "8xH100-80GB", "--top", "-1"], r"^--top: must be >= 0"),
+    (["advise", "Llama-3.1-8B", "--gpus", "8xH100-80GB", "--global-batch", "0"], r"^--global-batch: must be"),
+    (["advise", "Llama-3.1-8B", "--gpus", "8xH100-80GB", "--tokens", "0"], r"^--tokens: must be >= 1"),
+    (["advise", "Llama-3.1-8B", "--gpus", "8xH100-80GB", "--epochs", "0"], r"^--epochs: must be a number > 0"),
+    (["advise", "Llama-3.1-8B", "--gpus", "8xH100-80GB", "--epochs", "inf"], r"^--epochs: must be a number > 0"),
+    (["advise", "Nope-1B", "--gpus", "8xH100-80GB"], r"^model\.source: unknown preset 'Nope-1B'"),
+    (["advise", "Llama-3.1-8B", "--gpus", "4090"], r"^hardware\.gpus: "),
+    (["accept", "--tolerance", "-1"], r"^--tolerance: "),
+    (["accept", "--tolerance", "nan"], r"^--tolerance: "),
+    (["accept", "--tolerance", "2"], r"^--tolerance: "),
+    (["accept", "--nproc", "0"], r"^--nproc: "),
+    (["accept", "--nproc", "-3"], r"^--nproc: "),
+    (["accept", "--resume-steps", "0"], r"^--resume-steps: must be >= 2"),
+    (["accept", "--resume-steps", "4", "--resume-at", "9"], r"^--resume-at: "),
+    (["accept", "--overfit-steps", "0"], r"^--overfit-steps: "),
+    (["accept", "--perturb-plan", "nonsense=2"], r"^--perturb-plan: "),
+    (["accept", "--perturb-plan", "weights"], r"^--perturb-plan: "),
+    (["accept", "--set", "optim.lr=inf"], r"^optim\.lr: must be a finite number"),
+    (["accept", "--set", "train.max_grad_norm=nan"], r"^train\.max_grad_norm: must be a finite number"),
+    (["verify-resume", "--set", "optim.lr=nan"], r"^optim\.lr: must be a finite number"),
+    (["verify-resume", "--nproc", "0"], r"^--nproc: must be between 1 and"),
+    (["verify-resume", "--tolerance", "nan"], r"^--tolerance: must be a finite number >= 0"),
+    (["verify-resume", "--tolerance", "-1"], r"^--tolerance: must be a finite number >= 0"),
+    (["verify-resume", "--steps", "1"], r"^--steps: must be >= 2"),
+    (["verify-resume", "--steps", "6", "--at", "6"], r"^--at: must be between 1 and 5"),
+    (["train", "--set", "checkpoint.resume=auto"], r'^checkpoint\.resume: "auto" looks in the run\'s own directory'),
+    (["train", "--steps", "0"], r"^train\.steps: must be an integer >= 1"),
+    (["train", "--set", "guard.threshold=nan"], r"^guard\.threshold: must be a finite number"),
+    (["train", "--set", 'lora.target_modules="q_proj"', "--mode", "lora"], r"^lora\.target_modules: must be a list"),
+    (["train", "--set", "optim.lr=inf"], r"^optim\.lr: must be a finite number"),
+    (["train", "--set", "train.output_dir=5"], r"^train\.output_dir: must be a string"),
+    (["train", "--gpus", "4090"], r"^hardware\.gpus: "),
+    (["train", "--model", "Llama-3.1-8B"], r"^model\.source: 'Llama-3.1-8B' describes an architecture"),
+    (["train", "--set", "data.source=/nonexistent/corpus.jsonl"], r"^data\.source: "),
+    (["runs", "show", "999999"], r"^registry: no run registry at "),
+    (["runs", "show", "abc"], r"^argument ids: invalid int value: 'abc'"),
+    (["runs", "compare", "1"], r"^runs compare: takes 2 run id\(s\), got 1"),
+    (["devices", "--gpus", "0,zz"], r"^--gpus: "),
+]
+
+
+def _file_cases(tmp):
+    """Cases that need files; built in a temporary directory each test gets."""
+    garbage = tmp / "garbage.toml"
+    garbage.write_bytes(b"\xff\xfe\x00\x01binary\x00garbage")
+    bad_toml = tmp / "bad.toml"
+    bad_toml.write_text("[batch\nseq_len = 4\n")
+    run_five = tmp / "run5.toml"
+    run_five.write_text("run = 5\n")
+    wrong_section = tmp / "section.toml"
+    wrong_section.write_text("batch = 5\n")
+    bad_json = tmp / "config.json"
+    bad_json.write_text("{not json")
+    list_json = tmp / "list.json"
+    list_json.write_text("[1, 2, 3]")
+    empty_json = tmp / "empty.json"
+    empty_json.write_text("{}")
+    binary_json = tmp / "binary.json"
+    binary_json.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    gguf = tmp / "model.gguf"
+    gguf.write_bytes(
+        b"GGUF" + (3).to_bytes(4, "little") + (2**62).to_bytes(8, "little") + (2**62).to_bytes(8, "little")
+    )
+    not_gguf = tmp / "nope.gguf"
+    not_gguf.write_bytes(b"this is not gguf at all")
+    a_file = tmp / "a-file"
+    a_file.write_text("x")
+    a_dir = tmp / "a-dir"
+    a_dir.mkdir()
+    return [
+        (["plan", str(garbage)], r"^a file is not UTF-8 text|^.*garbage.toml: "),
+        (["plan", str(bad_toml)], r"invalid TOML"),
+        (["plan", str(run_five)], r"^run: must be a table"),
+        (["plan", str(wrong_section)], r"^batch: unknown section or setting"),
+        (["plan", str(tmp / "missing.toml")], r"^config: no such file"),
+        (["plan", str(a_dir)], r"^config: no such file"),
+        (["plan", "--model", str(bad_json)], r"^model\.source: .*malformed JSON"),
+        (["plan", "--model", str(list_json)], r"^model\.source: "),
+        (["plan", "--model", str(empty_json)], r"^model\.source: "),
+        (["plan", "--model", str(binary_json)], r"^model\.source: "),
+        (["plan", "--model", str(gguf)], r"^model\.source: "),
+        (["plan", "--model", str(not_gguf)], r"^model\.source: "),
+        (["plan", "--model", str(a_dir)], r"^model\.source: "),
+        (["plan", "--model", str(tmp / "missing.gguf")], r"^model\.source: "),
+        (["plan", "--json", "-o", str(a_file / "plan.json")], r"^--output: cannot write .*plan\.json"),
+        (["plan", "--json", "-o", str(a_dir)], r"^--output: cannot write .*a-dir"),
+        (["plan", "--json", "-o", "/proc/version"], r"^--output: cannot write '/proc/version'"),
+        (["runs", "list", "--registry", str(garbage)], r"^--registry: .*garbage\.toml is not a readable trainplan"),
+        (["runs", "list", "--registry", str(a_dir)], r"^registry: no run registry at .*a-dir"),
+        (["train", str(run_five)], r"^run: must be a table"),
+        (["train", "--set", f"data.source={binary_json}"], r"^data\.source: "),
+        (["train", "--set", f"train.output_dir={a_file}"], r"^train\.output_dir: "),
+        (["train", "--set", f"checkpoint.dir={a_file / 'x'}"], r"^checkpoint\.dir: "),
+        (["accept", "--output-dir", str(a_file)], r"^--output-dir: "),
+    ]
+
+
+ALL = TYPE_CASES + NONFINITE_CASES + RANGE_CASES + FLAG_CASES
+
+
+def test_the_table_is_large_enough():
+    assert len(ALL) + len(_file_cases(_Tmp())) >= 150
+
+
+class _Tmp:  # a throwaway stand-in for counting the file cases
+    def __truediv__(self, name):
+        return self
+
+    def write_text(self, *_):
+        pass
+
+    def write_bytes(self, *_):
+        pass
+
+    def mkdir(self, *_):
+        pass
+
+
+def _check(argv, pattern, tmp_path, capsys, monkeypatch):
+    import re
+
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    code = cli.main(argv + (["--registry", "off"] if argv[0] in ("train", "accept") else []))
+    assert not os.path.exists(tmp_path / "runs"), "a run started: the input was not refused"
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2, (argv, code, err[-2000:])
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    message = lines[0].split(": error: ", 1)[-1]
+    assert re.search(pattern, message), (pattern, message)
+    assert out == ""
+    assert sorted(os.listdir(tmp_path)) == before  # nothing half-written
+
+
+@pytest.mark.parametrize(("argv", "pattern"), ALL, ids=[" ".join(a)[:80] for a, _ in ALL])
+def test_bad_input_is_one_line_and_exit_2(argv, pattern, tmp_path, capsys, monkeypatch):
+    _check(argv, pattern, tmp_path, capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("case", range(24))
+def test_bad_files_are_one_line_and_exit_2(case, tmp_path, capsys, monkeypatch):
+    files = tmp_path / "files"
+    files.mkdir()
+    argv, pattern = _file_cases(files)[case]
+    _check(argv, pattern, tmp_path, capsys, monkeypatch)
