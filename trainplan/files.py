@@ -68,3 +68,68 @@ def require_writable(path: str | Path, field: str) -> None:
         raise ConfigError(
             field, f"{str(path)!r} is not writable ({e.strerror})", "choose a directory this user can write"
         ) from None
+
+
+class DirLock:
+    """One live writer per directory: `<dir>/.trainplan.lock` holds the writer's pid, host and
+    start time, created exclusively. A lock whose process is gone (same host, pid not alive, or
+    an unreadable lock file) is stale and taken over; a live one refuses the second run, naming it."""
+
+    NAME = ".trainplan.lock"
+
+    def __init__(self, directory: str | Path, field: str) -> None:
+        self.path = Path(directory) / self.NAME
+        self.field = field
+        self.held = False
+
+    def acquire(self) -> DirLock:
+        import json
+        import socket
+        import time
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None or (holder["host"] == me["host"] and not _alive(holder["pid"])):
+                    self.path.unlink(missing_ok=True)  # stale: its run is gone
+                    continue
+                raise ConfigError(
+                    self.field,
+                    f"{str(self.path.parent)!r} is in use by another run (pid {holder['pid']} on {holder['host']}, "
+                    f"started {holder.get('started', '?')})",
+                    f"wait for it to finish or give this run its own --output-dir; if that run is gone, "
+                    f"remove {str(self.path)!r}",
+                ) from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return self
+        raise ConfigError(self.field, f"cannot take the lock {str(self.path)!r}", "retry, or remove the lock file")
+
+    def _holder(self) -> dict | None:
+        import json
+
+        try:
+            holder = json.loads(self.path.read_text())
+            return holder if isinstance(holder.get("pid"), int) and isinstance(holder.get("host"), str) else None
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -174,3 +174,119 @@ def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(tiny_r
     lineage = {fmt.run_id_of(p) for p in ck.iterdir() if p.name.startswith("step-")}
     assert len(lineage) == 1  # one lineage: the resumed run carried the first run's id on
     assert first["steps"][-1]["step"] == 4 and [s["step"] for s in resumed["steps"]] == [5, 6]
+
+
+def _tiny_saver(root):
+    """fmt.save of a tiny Linear into `root`, one lineage ("this")."""
+    from trainplan.run.checkpoint import format as fmt
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+
+    def save(step, keep_last=2):
+        state = {"mode": "full", "step": step, "tokens_seen": 0, "run_id": "this"}
+        return fmt.save(
+            root, step=step, model=model, optimizer=opt, scheduler=sched, scaler=None, state=state, keep_last=keep_last
+        )
+
+    return save
+
+
+def test_a_malformed_or_escaping_manifest_is_a_skipped_checkpoint_never_a_crash(tmp_path):
+    """Valid JSON of the wrong shape crashed resume and every later save; a part could name a path
+    outside the checkpoint."""
+    from trainplan.run.checkpoint import format as fmt
+
+    save = _tiny_saver(tmp_path)
+    save(1)
+    good = tmp_path / "step-00000001"
+    for name, manifest, reason in [
+        ("step-00000007", [1, 2, 3], "incomplete or of another format"),
+        ("step-00000008", {"schema": fmt.SCHEMA, "complete": True, "parts": [1]}, "wrong structure"),
+        (
+            "step-00000009",
+            {"schema": fmt.SCHEMA, "complete": True, "parts": {"../../etc/hostname": {"bytes": 1, "sha256": "x"}}},
+            "points outside",
+        ),
+    ]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps(manifest))
+        assert reason in fmt.validate(tmp_path / name)
+    path, skipped = fmt.latest_valid(tmp_path)
+    assert path == good and [n for n, _ in skipped] == ["step-00000009", "step-00000008", "step-00000007"]
+    save(2)  # saving (and pruning) beside them still works, and leaves them alone
+    assert fmt.validate(tmp_path / "step-00000002") is None and (tmp_path / "step-00000009").is_dir()
+
+
+def test_a_kill_during_pruning_leaves_nothing_half_deleted(tmp_path):
+    """Pruning renames a checkpoint out of the step-* namespace before removing it: what a kill
+    leaves is a .del-* directory, removed at the next start, never a damaged step-*."""
+    from trainplan.run.checkpoint import format as fmt
+
+    save = _tiny_saver(tmp_path)
+    for step in (1, 2):
+        save(step)
+    # a kill mid-removal: the rename happened, the tree is half gone
+    doomed = tmp_path / f"{fmt.DELETING}step-00000001-99999999"
+    os.replace(tmp_path / "step-00000001", doomed)
+    (doomed / "optimizer.pt").unlink()
+    assert [p.name for p in fmt._candidates(tmp_path)] == ["step-00000002"]  # never mistaken for a checkpoint
+    fmt.clean_leftovers(tmp_path)  # what CheckpointManager runs at every start
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002"]
+    save(3, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]
+
+
+def test_a_full_disk_is_one_line_keeps_the_last_checkpoint_and_leaves_no_temp(tmp_path, monkeypatch):
+    """A stand-in for ENOSPC from the writer (and, before it, a space check that refuses outright)."""
+    import errno
+
+    from trainplan.run.checkpoint import format as fmt
+
+    save = _tiny_saver(tmp_path)
+    save(1)
+    real_save = torch.save
+
+    def full(obj, f, *a, **k):
+        if "scheduler" in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(fmt.torch, "save", full)
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"^checkpoint.dir: writing step 2 to .* failed: no space left"
+    ):
+        save(2)
+    monkeypatch.setattr(fmt.torch, "save", real_save)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]  # the temp dir is gone
+    assert fmt.validate(tmp_path / "step-00000001") is None
+
+    Usage = type(__import__("shutil").disk_usage(tmp_path))
+    monkeypatch.setattr(fmt.shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 100, 100))
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"has 0\.1 KiB free, checkpoint step 2 needs about .* KiB \(short by"
+    ):
+        save(2)
+    monkeypatch.undo()
+    save(2)  # once there is space, saving goes on
+    assert fmt.validate(tmp_path / "step-00000002") is None
+
+
+@pytest.mark.multiprocess
+def test_two_live_runs_cannot_write_one_directory(tmp_path):
+    """A lock file names the live writer; a lock whose process is gone is taken over."""
+    import socket
+    import subprocess
+    import sys
+
+    from trainplan.files import DirLock
+
+    first = DirLock(tmp_path, "train.output_dir").acquire()
+    with pytest.raises(ConfigError, match=r"^train.output_dir: .* is in use by another run \(pid \d+ on "):
+        DirLock(tmp_path, "train.output_dir").acquire()
+    first.release()
+    assert not (tmp_path / DirLock.NAME).exists()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / DirLock.NAME).write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
+    DirLock(tmp_path, "train.output_dir").acquire().release()  # stale: its process is gone

@@ -29,14 +29,25 @@ def run(cfg: C.RunConfig, *, quiet: bool = False) -> tuple[record.RunRecord, dis
     """Run the job described by cfg; returns the run record and the process group's environment."""
     env = dist.init()
     t_start = time.perf_counter()
-    with Interrupts() as interrupts:
-        trainer = Trainer(prepare(cfg, env), quiet=quiet)
-        rec = trainer.record
-        rec.eval_before = trainer.evaluate()
-        if trainer.job.training:
-            trainer.train(interrupts)
-        else:
-            trainer.infer()
+    job = None
+    try:
+        with Interrupts() as interrupts:
+            job = prepare(cfg, env)
+            trainer = Trainer(job, quiet=quiet)
+            trainer.record.eval_before = trainer.evaluate()
+            if job.training:
+                trainer.train(interrupts)
+            else:
+                trainer.infer()
+        return _conclude(trainer, cfg, env, t_start), env
+    finally:
+        for lock in job.locks if job else ():
+            lock.release()
+
+
+def _conclude(trainer: Trainer, cfg: C.RunConfig, env: dist.DistEnv, t_start: float) -> record.RunRecord:
+    """After the loop: the measured final evaluation, the phase peaks and the mode contract."""
+    rec = trainer.record
     rec.eval_after = trainer.evaluate(measured=trainer.job.training)
     if cfg.train.measure_memory:
         peaks = {"device": str(env.device), "load": trainer.job.load_peak_bytes, **trainer.phase_peaks}
@@ -49,7 +60,7 @@ def run(cfg: C.RunConfig, *, quiet: bool = False) -> tuple[record.RunRecord, dis
     )
     rec.contract = check.to_json()
     rec.wall_seconds = time.perf_counter() - t_start
-    return rec, env
+    return rec
 
 
 class Trainer:

@@ -7,14 +7,15 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from trainplan import config as C
-from trainplan.files import require_writable
+from trainplan.files import DirLock, require_writable
 from trainplan.resolve import Resolved, require_runnable, resolve
 from trainplan.run import data, dist, guard, measure, step, weights
-from trainplan.run.checkpoint.manager import refuse_foreign
+from trainplan.run.checkpoint.manager import checkpoint_root, refuse_foreign
 from trainplan.run.record import device_label
 from trainplan.spec.devices import parse_devices
 
@@ -40,6 +41,7 @@ class Job:
     eval: Split
     model: torch.nn.Module  # on its device, not yet wrapped for data parallelism
     load_peak_bytes: int | None = None  # the device's measured peak while the weights loaded
+    locks: tuple = ()  # the main rank's DirLocks on the run's directories, released when the run ends
 
     @property
     def training(self) -> bool:
@@ -68,8 +70,34 @@ def prepare(cfg: C.RunConfig, env: dist.DistEnv) -> Job:
     require_writable(cfg.train.output_dir, "train.output_dir")
     if cfg.checkpoint.dir:
         require_writable(cfg.checkpoint.dir, "checkpoint.dir")
-    refuse_foreign(cfg)
-    documents = data.load_documents(cfg.data.source)
+    documents = data.load_documents(cfg.data.source)  # bad data fails before anything is created
+    locks = _lock(cfg, env)
+    try:
+        refuse_foreign(cfg)
+        return _build(cfg, env, r, documents, locks)
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+
+
+def _lock(cfg: C.RunConfig, env: dist.DistEnv) -> tuple[DirLock, ...]:
+    """The main rank holds the output directory (and a separate checkpoint directory) for the
+    run's lifetime: a second live run there is refused, naming the first."""
+    if not env.is_main:
+        return ()
+    locks = [DirLock(cfg.train.output_dir, "train.output_dir").acquire()]
+    root = checkpoint_root(cfg)
+    if cfg.checkpoint.dir and root.resolve() != Path(cfg.train.output_dir).resolve():
+        try:
+            locks.append(DirLock(root, "checkpoint.dir").acquire())
+        except BaseException:
+            locks[0].release()
+            raise
+    return tuple(locks)
+
+
+def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: list, locks: tuple) -> Job:
     directory = weights.weights_dir(cfg) if weights.is_pretrained(cfg) else None
     if directory is not None:  # build from the checkpoint's own transformers config, every field of it
         full_config = json.loads((directory / "config.json").read_text())
@@ -93,6 +121,7 @@ def prepare(cfg: C.RunConfig, env: dist.DistEnv) -> Job:
         eval=held_out,
         model=model,
         load_peak_bytes=meter.peak_bytes if meter else None,
+        locks=locks,
     )
 
 

@@ -34,10 +34,11 @@ from torch import nn
 
 from trainplan.errors import ConfigError, TrainplanError
 from trainplan.files import fsync_dir, fsync_file, sha256_file
-from trainplan.run.dist import full_tensor
+from trainplan.run.dist import full_tensor, to_local
 
 SCHEMA = "trainplan.checkpoint/1"
 PREFIX = "step-"
+DELETING = ".del-"  # a checkpoint being removed (renamed first)
 
 
 class CheckpointError(TrainplanError):
@@ -131,18 +132,38 @@ def save(
     Rank 0 then writes the manifest and renames.
     """
     import torch.distributed as dist
-    from safetensors.torch import save_file
 
     rank, world = _rank_world()
-    owner_pid = [os.getpid()]
-    if world > 1:
-        dist.broadcast_object_list(owner_pid, src=0)
     final = root / f"{PREFIX}{step:08d}"
-    tmp = root / f".tmp-{PREFIX}{step:08d}-{owner_pid[0]}"
+    problem = None  # rank 0 checks the space; every rank learns the answer
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
+        try:
+            require_space(root, expected_bytes(root, model, optimizer, world if sharded else 1), step)
+        except CheckpointError as e:
+            problem = str(e)
+    shared = [os.getpid(), problem]
+    if world > 1:
+        dist.broadcast_object_list(shared, src=0)
+    if shared[1]:
+        raise CheckpointError(shared[1])
+    tmp = root / f".tmp-{PREFIX}{step:08d}-{shared[0]}"
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+    try:
+        _write(tmp, root, final, step, model, optimizer, scheduler, scaler, state, keep_last, sharded, rank, world)
+    except (OSError, RuntimeError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # the space it held; the last good checkpoint stays
+        if isinstance(e, RuntimeError) and not _is_write_failure(e):
+            raise
+        raise CheckpointError(_write_failure_text(root, step, e)) from None
+    return final
+
+
+def _write(tmp, root, final, step, model, optimizer, scheduler, scaler, state, keep_last, sharded, rank, world):
+    from safetensors.torch import save_file
+
     if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO-1: gather the shards on rank 0
         optimizer.consolidate_state_dict(to=0)
     _barrier()
@@ -168,7 +189,57 @@ def save(
         )
         _finish(root, tmp, final, step, world, scaler is not None, state, keep_last, fmt)
     _barrier()
-    return final
+
+
+def expected_bytes(root: Path, model: nn.Module, optimizer, world: int) -> int:
+    """What the next checkpoint will take: the newest one's size where there is one, else the
+    trainable weights and optimizer state (`world`: this rank's shards x the sharding degree)."""
+    newest = next((p for p in _candidates(root) if validate(p) is None), None)
+    if newest is not None:
+        return sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+    inner = getattr(optimizer, "optim", optimizer)
+    states = [v for st in inner.state.values() if isinstance(st, dict) for v in st.values()]
+    tensors = [p for p in model.parameters() if p.requires_grad] + [v for v in states if isinstance(v, torch.Tensor)]
+    return world * sum(to_local(t).numel() * t.element_size() for t in tensors)  # local shards, no collective
+
+
+def require_space(root: Path, needed: int, step: int) -> None:
+    """Refuse a save the filesystem cannot hold, before writing a byte of it."""
+    free = shutil.disk_usage(root).free
+    if free < needed:
+        raise CheckpointError(
+            f"checkpoint.dir: {str(root)!r} has {_mib(free)} free, checkpoint step {step} needs about "
+            f"{_mib(needed)} (short by {_mib(needed - free)}); free space, lower checkpoint.keep_last, or "
+            "point checkpoint.dir at a larger disk. The last good checkpoint is kept"
+        )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def _is_write_failure(e: RuntimeError) -> bool:
+    """torch.save reports a full disk as a RuntimeError from its zip writer."""
+    text = str(e)
+    return "inline_container" in text or "file write failed" in text or "No space left" in text
+
+
+def _write_failure_text(root: Path, step: int, e: BaseException) -> str:
+    import errno
+
+    code = getattr(e, "errno", None)
+    if code == errno.ENOSPC or "No space left" in str(e) or isinstance(e, RuntimeError):
+        free = shutil.disk_usage(root).free if root.exists() else 0
+        what = f"no space left ({_mib(free)} free)"
+        fix = "free space, lower checkpoint.keep_last, or point checkpoint.dir at a larger disk"
+    elif code == errno.EROFS:
+        what, fix = "the filesystem is read-only", "point checkpoint.dir at a writable disk"
+    else:
+        what, fix = getattr(e, "strerror", None) or str(e).splitlines()[0], "check checkpoint.dir"
+    return (
+        f"checkpoint.dir: writing step {step} to {str(root)!r} failed: {what}; {fix}. "
+        "The partial write was removed and the last good checkpoint is kept"
+    )
 
 
 def _finish(
@@ -207,7 +278,7 @@ def _finish(
         os.fsync(f.fileno())
     fsync_dir(tmp)
     if final.exists():
-        shutil.rmtree(final)
+        remove(final)
     os.replace(tmp, final)
     fsync_dir(root)
     _prune(root, keep_last, state.get("run_id"))
@@ -220,11 +291,21 @@ def validate(path: Path) -> str | None:
         return "no manifest (incomplete write)"
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return "manifest is not valid JSON"
-    if manifest.get("schema") != SCHEMA or not manifest.get("complete"):
+    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA or not manifest.get("complete"):
         return "manifest is incomplete or of another format"
-    for name, meta in manifest["parts"].items():
+    parts = manifest.get("parts")
+    if not isinstance(parts, dict) or not all(
+        isinstance(m, dict) and isinstance(m.get("bytes"), int) and isinstance(m.get("sha256"), str)
+        for m in parts.values()
+    ):
+        return "manifest has the wrong structure (parts: {name: {bytes, sha256}})"
+    inside = path.resolve()
+    for name in parts:
+        if Path(name).is_absolute() or not (path / name).resolve().is_relative_to(inside):
+            return f"manifest part {name!r} points outside the checkpoint"
+    for name, meta in parts.items():
         part = path / name
         if not part.is_file():
             return f"part {name} is missing"
@@ -280,7 +361,29 @@ def _prune(root: Path, keep_last: int, run_id: str | None) -> None:
     """Keep this run's newest `keep_last` checkpoints; another run's are never touched."""
     own = [p for p in _candidates(root) if validate(p) is None and run_id_of(p) == run_id]
     for old in own[keep_last:]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove(old)
+    clean_leftovers(root)
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint by renaming it out of the step-* namespace first: a kill during the
+    removal leaves a `.del-*` directory that `clean_leftovers` finishes, never a half-deleted
+    step-* that looks like a checkpoint."""
+    doomed = path.with_name(f"{DELETING}{path.name}-{os.getpid()}")
+    try:
+        os.replace(path, doomed)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def clean_leftovers(root: Path) -> None:
+    """Remove what dead writers left: interrupted removals, and temporary dirs of writers no
+    longer alive (never a live writer's)."""
+    if not root.is_dir():
+        return
+    for doomed in root.glob(f"{DELETING}*"):
+        shutil.rmtree(doomed, ignore_errors=True)
     for stale in root.glob(f".tmp-{PREFIX}*"):  # writes that died: never valid, safe to remove
         pid = stale.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):

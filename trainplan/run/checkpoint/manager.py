@@ -81,6 +81,8 @@ class CheckpointManager:
         # This run's lineage: a fresh id, or the id of the run it resumes (set by maybe_resume).
         # Pruning and rollback touch only this lineage's checkpoints.
         self.run_id = env.gather(uuid.uuid4().hex[:12])[0]  # rank 0's, on every rank
+        if env.is_main:  # what dead writers left: interrupted removals, their temporary dirs
+            ckpt.clean_leftovers(self.root)
 
     def due(self, step: int) -> bool:
         every = self.cfg.checkpoint.every
