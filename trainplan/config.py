@@ -133,7 +133,8 @@ class TrainConfig:
 
 
 GUARD_ACTIONS = ("skip", "rollback", "stop")
-INJECT_KINDS = ("nan-loss", "nan-grad", "spike", "sigint")  # sigint@N: this process gets SIGINT at step N
+# sigint@N: this process gets SIGINT at step N; hang@N: the last rank stops itself (SIGSTOP) at step N
+INJECT_KINDS = ("nan-loss", "nan-grad", "spike", "sigint", "hang")
 
 
 @dataclass(kw_only=True)
@@ -241,9 +242,13 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     offload_optimizer: bool = False
+    # a collective that waits this long for a peer ends every waiting rank with an error naming it
+    # (torch's default is 30 minutes)
+    timeout_s: int = 600
 
     def __post_init__(self) -> None:
         _choice("parallel", "strategy", self.strategy, STRATEGIES)
+        _positive_int("parallel", "timeout_s", self.timeout_s)
         if self.strategy == "fsdp":
             self.strategy = "zero3"
         _positive_int("parallel", "tp", self.tp)

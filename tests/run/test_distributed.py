@@ -149,3 +149,26 @@ def test_fsdp_checkpoint_reshards_to_another_world_size(tiny_run, tmp_path):
     resumed = torchrun(tmp_path / "e", tiny_run[1], *common, *two, ck, "checkpoint.resume=auto")
     assert resumed["resume"]["loaded"] == {k: stopped["final"][k] for k in ("weights_hash", "optimizer_hash")}
     assert [s["loss"] for s in resumed["steps"]] == pytest.approx([s["loss"] for s in reference["steps"][2:]], rel=1e-4)
+
+
+def test_a_hung_peer_ends_the_run_within_the_timeout(tiny_run, tmp_path):
+    """Rank 1 stops itself (SIGSTOP) at step 2: rank 0's next collective gives up after
+    parallel.timeout_s, the run ends non-zero with one line naming the setting, and torchrun
+    takes the stopped rank down. (torch's default timeout is 30 minutes.)"""
+    import time
+
+    root, base = tiny_run
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "trainplan"]
+    cmd += ["train", "--registry", "off"]
+    sets = [*base, f"train.output_dir={tmp_path / 'out'}", "train.steps=4", "parallel.timeout_s=8"]
+    sets += ['guard.inject=["hang@2"]', "train.measure_memory=false"]
+    for item in sets:
+        cmd += ["--set", item]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert "parallel.timeout_s: rank 0 waited 8 s for a peer rank that did not answer" in proc.stderr, proc.stderr[
+        -3000:
+    ]
+    assert elapsed < 120, elapsed

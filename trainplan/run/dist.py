@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -49,16 +50,23 @@ class DistEnv:
         return out
 
 
-def init() -> DistEnv:
-    """Join the torchrun job if there is one (WORLD_SIZE > 1), else a single process."""
+def init(timeout_s: int = 600) -> DistEnv:
+    """Join the torchrun job if there is one (WORLD_SIZE > 1), else a single process. A collective
+    that waits `timeout_s` for a peer raises on the waiting ranks (see `peer_timeout`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
     return DistEnv(rank=rank, world=world, local_rank=local, device=device)
+
+
+def is_peer_timeout(e: BaseException) -> bool:
+    """A collective gave up waiting for a peer (gloo and NCCL word it differently)."""
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text)
 
 
 def finish(env: DistEnv, code: int) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from trainplan import config as C
+from trainplan.errors import TrainplanError
 from trainplan.run import contract, dist, evaluate, measure, record, result, step
 from trainplan.run.checkpoint.manager import CheckpointManager
 from trainplan.run.guard import StepGuard
@@ -27,7 +28,7 @@ from trainplan.run.setup import Job, TrainState, prepare, train_state
 
 def run(cfg: C.RunConfig, *, quiet: bool = False) -> tuple[record.RunRecord, dist.DistEnv]:
     """Run the job described by cfg; returns the run record and the process group's environment."""
-    env = dist.init()
+    env = dist.init(cfg.parallel.timeout_s)
     t_start = time.perf_counter()
     job = None
     try:
@@ -40,6 +41,13 @@ def run(cfg: C.RunConfig, *, quiet: bool = False) -> tuple[record.RunRecord, dis
             else:
                 trainer.infer()
         return _conclude(trainer, cfg, env, t_start), env
+    except RuntimeError as e:
+        if env.world > 1 and dist.is_peer_timeout(e):
+            raise TrainplanError(
+                f"parallel.timeout_s: rank {env.rank} waited {cfg.parallel.timeout_s} s for a peer rank that did not "
+                f"answer ({str(e).splitlines()[0][:160]}); find the stuck or dead rank, or raise parallel.timeout_s"
+            ) from None
+        raise
     finally:
         for lock in job.locks if job else ():
             lock.release()
@@ -152,6 +160,8 @@ class Trainer:
                 break
             if "sigint" in injections.get(state.step + 1, ()):  # fault injection (tests): Ctrl-C now
                 os.kill(os.getpid(), signal.SIGINT)
+            if "hang" in injections.get(state.step + 1, ()) and self.env.rank == self.env.world - 1:
+                os.kill(os.getpid(), signal.SIGSTOP)  # fault injection (tests): a hung peer
             entry = self.step(
                 state, guard, fixed, metered=state.step == measure_at, inject=injections.pop(state.step + 1, ())
             )
