@@ -223,3 +223,22 @@ def test_accept_bad_input_is_one_line_and_starts_nothing(tmp_path, capsys, args,
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert not out.exists()
+
+
+def test_reports_and_the_terminal_show_user_strings_inert(accepted, capsys):
+    """A path or model name carrying HTML or terminal escapes reached accept.md and `runs list` raw."""
+    from trainplan.verify import report
+
+    code, out, db, result = accepted
+    evil = '<img src=x onerror=alert(1)><script>alert(2)</script>|\x1b[31mred'
+    doctored = json.loads(json.dumps(result))
+    doctored["record"]["model"]["name"] = evil
+    doctored["failing"] = [f"Memory: {evil}"]
+    text = report.render_markdown(doctored)
+    assert "<img" not in text and "<script>" not in text and "\x1b" not in text
+    assert "&lt;img src=x onerror=alert\\(1\\)&gt;" in text
+    row = registry.rows(db)[0]
+    registry.add({**row, "model": evil, "output_dir": "/tmp/\x1b]0;title\x07"}, db)
+    assert cli.main(["runs", "list", "--registry", str(db)]) == 0
+    listed = capsys.readouterr().out
+    assert "\x1b" not in listed and "\x07" not in listed and "?[31mred" in listed

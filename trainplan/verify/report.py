@@ -11,6 +11,7 @@ import json
 import math
 
 from trainplan.spec.devices import format_gib
+from trainplan.text import md
 
 GROUP_COLORS = {
     "states": "#4e79a7",
@@ -45,20 +46,20 @@ def render_markdown(result: dict) -> str:
     lines = [
         f"# trainplan accept: {result['verdict']}",
         "",
-        f"Model {rec['model'].get('name', rec['config']['model']['source'])}, mode {rec['config']['mode']}, "
-        f"{result['plan']['settings']['summary']}; devices {rec['hardware']['devices']}. "
+        f"Model {md(rec['model'].get('name', rec['config']['model']['source']))}, mode {md(rec['config']['mode'])}, "
+        f"{md(result['plan']['settings']['summary'])}; devices {md(rec['hardware']['devices'])}. "
         f"Acceptance took {result['seconds']:.0f} s.",
         "",
     ]
     if result["failing"]:
-        lines += ["## Failing", ""] + [f"- {f}" for f in result["failing"]] + [""]
+        lines += ["## Failing", ""] + [f"- {md(f)}" for f in result["failing"]] + [""]
     if result.get("perturbed"):
-        lines += [f"Plan perturbed on purpose (test hook): {result['perturbed']}", ""]
+        lines += [f"Plan perturbed on purpose (test hook): {md(result['perturbed'])}", ""]
     lines += ["## Checks", "", "| check | result | evidence |", "|---|---|---|"]
     by_key = {c["key"]: c for c in result["checks"]}
     for key in result["order"]:
         c = by_key[key]
-        lines.append(f"| {c['name']} | {_status(c['passed'])} | {c['summary']} |")
+        lines.append(f"| {c['name']} | {_status(c['passed'])} | {md(c['summary'])} |")
     mem = _memory_check(result)
     if mem["evidence"].get("rows"):
         ev = mem["evidence"]
@@ -73,14 +74,15 @@ def render_markdown(result: dict) -> str:
         for r in ev["rows"]:
             rel = "-" if r["rel_error"] is None else f"{r['rel_error']:+.2%}"
             lines.append(
-                f"| {r['device']} | {r['phase']} | {r['component']} | {_gib3(r['planned'])} | {_gib3(r['measured'])} | "
+                f"| {md(r['device'])} | {r['phase']} | {r['component']} | {_gib3(r['planned'])} | "
+                f"{_gib3(r['measured'])} | "
                 f"{_gib3(r['abs_error'])} | {rel} | {_pct(r['error_of_peak'])} | {'yes' if r['ok'] else 'NO'} |"
             )
         lines += ["", "Placement (parameters per device):", ""]
         for rank, place in enumerate(ev["placement"]):
             for dev, p in place.items():
                 lines.append(
-                    f"- rank {rank}: {dev}: {p['parameters']} parameters, {_gib3(p['bytes'])} GiB"
+                    f"- rank {rank}: {md(dev)}: {p['parameters']} parameters, {_gib3(p['bytes'])} GiB"
                     + (f", {p['sharded']} sharded (local shard)" if p["sharded"] else "")
                 )
         lines += [f"- max RSS per rank: {', '.join(_gib3(x) + ' GiB' for x in ev['max_rss_bytes'])}", ""]
@@ -97,8 +99,8 @@ def render_markdown(result: dict) -> str:
             for name, e in (("before", q["before"]), ("after", q["after"]))
         ),
         "",
-        f"Settings: {json.dumps({k: v for k, v in q['settings'].items() if k != 'data'})}; data "
-        f"{q['settings']['data']['source']} ({q['settings']['data']['train_documents']} training / "
+        f"Settings: {md(json.dumps({k: v for k, v in q['settings'].items() if k != 'data'}))}; data "
+        f"{md(q['settings']['data']['source'])} ({q['settings']['data']['train_documents']} training / "
         f"{q['settings']['data']['eval_documents']} held-out documents, fingerprint "
         f"{q['settings']['data']['fingerprint']}); training time {q['train_seconds'] or 0:.1f} s.",
         "",
