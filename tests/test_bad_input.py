@@ -197,6 +197,14 @@ def _file_cases(tmp):
     )
     not_gguf = tmp / "nope.gguf"
     not_gguf.write_bytes(b"this is not gguf at all")
+    chat = tmp / "chat.jsonl"
+    chat.write_text('{"messages": "hello there"}\n{"text": "more"}\n')
+    binary_jsonl = tmp / "binary.jsonl"
+    binary_jsonl.write_bytes(b'{"text": "\xff\xfe"}\n')
+    tiny_corpus = tmp / "tiny"
+    tiny_corpus.mkdir()
+    for name in ("one.txt", "two.txt"):
+        (tiny_corpus / name).write_text("a few words, " * 40)
     a_file = tmp / "a-file"
     a_file.write_text("x")
     a_dir = tmp / "a-dir"
@@ -222,10 +230,20 @@ def _file_cases(tmp):
         (["runs", "list", "--registry", str(garbage)], r"^--registry: .*garbage\.toml is not a readable trainplan"),
         (["runs", "list", "--registry", str(a_dir)], r"^registry: no run registry at .*a-dir"),
         (["train", str(run_five)], r"^run: must be a table"),
-        (["train", "--set", f"data.source={binary_json}"], r"^data\.source: "),
+        (["train", "--set", f"data.source={binary_json}"], r"^data\.source: .*binary\.json' is binary, not text"),
         (["train", "--set", f"train.output_dir={a_file}"], r"^train\.output_dir: "),
         (["train", "--set", f"checkpoint.dir={a_file / 'x'}"], r"^checkpoint\.dir: "),
         (["accept", "--output-dir", str(a_file)], r"^--output-dir: "),
+        (["train", "--set", f"data.source={chat}"], r"^data\.source: chat\.jsonl line 1: messages must be a non-empty"),
+        (["train", "--set", f"data.source={binary_jsonl}"], r"^data\.source: .*binary\.jsonl' is not UTF-8 text"),
+        (
+            ["train", "--set", f"data.source={tiny_corpus}", "--seq", "8", "--micro-batch", "64"],
+            r"^batch\.micro_batch_size: 64 per rank x 1 rank\(s\) needs 64 sequences at once",
+        ),
+        (
+            ["train", "--set", f"data.source={tiny_corpus}", "--seq", "256", "--set", "data.eval_fraction=0.5"],
+            r"^batch\.seq_len: 256 is longer than the training split \(data\.eval_fraction = 0\.5\)",
+        ),
     ]
 
 
@@ -272,7 +290,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, pattern, tmp_path, capsys, monke
     _check(argv, pattern, tmp_path, capsys, monkeypatch)
 
 
-@pytest.mark.parametrize("case", range(24))
+@pytest.mark.parametrize("case", range(28))
 def test_bad_files_are_one_line_and_exit_2(case, tmp_path, capsys, monkeypatch):
     files = tmp_path / "files"
     files.mkdir()

@@ -87,6 +87,11 @@ class DirLock:
         import socket
         import time
 
+        missing, d = [], self.path.parent.absolute()
+        while not d.exists() and d != d.parent:
+            missing.append(d)
+            d = d.parent
+        self.created = missing  # removed again on release if the run left them empty
         self.path.parent.mkdir(parents=True, exist_ok=True)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
         for _ in range(3):
@@ -123,6 +128,11 @@ class DirLock:
         if self.held:
             self.path.unlink(missing_ok=True)
             self.held = False
+            for d in getattr(self, "created", []):  # innermost first; a directory the run wrote to stays
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
 
 
 def _alive(pid: int) -> bool:

@@ -230,7 +230,7 @@ def test_reports_and_the_terminal_show_user_strings_inert(accepted, capsys):
     from trainplan.verify import report
 
     code, out, db, result = accepted
-    evil = '<img src=x onerror=alert(1)><script>alert(2)</script>|\x1b[31mred'
+    evil = "<img src=x onerror=alert(1)><script>alert(2)</script>|\x1b[31mred"
     doctored = json.loads(json.dumps(result))
     doctored["record"]["model"]["name"] = evil
     doctored["failing"] = [f"Memory: {evil}"]

@@ -114,7 +114,7 @@ def test_jsonl_formats_and_their_errors(tmp_path):
     assert [bool(d.text) for d in data.load_documents(str(good))] == [True, False, False]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\n{"txt": "b"}\n')
-    with pytest.raises(ConfigError, match=r"bad\.jsonl:2: has keys \['txt'\]"):
+    with pytest.raises(ConfigError, match=r"^data\.source: bad\.jsonl line 2 has keys \['txt'\]"):
         data.load_documents(str(bad))
     empty = tmp_path / "empty.txt"
     empty.write_text("   \n")

@@ -44,8 +44,15 @@ def load_documents(source: str) -> list[Document]:
     if path.is_dir():
         docs = [Document(name=p.name, text=p.read_text(errors="replace")) for p in sorted(path.glob("*.txt"))]
     elif path.suffix == ".jsonl" and path.is_file():
-        docs = _read_jsonl(path)
+        try:
+            docs = _read_jsonl(path)
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                "data.source", f"{source!r} is not UTF-8 text (byte {e.start})", "give a UTF-8 JSONL file"
+            ) from None
     elif path.is_file():
+        if b"\x00" in path.read_bytes()[:65536]:
+            raise ConfigError("data.source", f"{source!r} is binary, not text", "give a .txt or .jsonl file of text")
         docs = [Document(name=path.name, text=path.read_text(errors="replace"))]
     else:
         raise ConfigError(
@@ -61,24 +68,29 @@ def load_documents(source: str) -> list[Document]:
 
 def _read_jsonl(path: Path) -> list[Document]:
     docs = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
+        where = f"{path.name} line {n}"
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{n}", f"invalid JSON ({e.msg})", "each line must be one JSON object") from None
+            raise ConfigError(
+                "data.source", f"{where}: invalid JSON ({e.msg})", "each line must be one JSON object"
+            ) from None
         if not isinstance(row, dict):
-            raise ConfigError(f"{path}:{n}", "is not a JSON object", 'write {"text": ...} per line')
+            raise ConfigError("data.source", f"{where} is not a JSON object", 'write {"text": ...} per line')
         if "messages" in row:
-            docs.append(Document(name=f"{path.name}:{n}", messages=tuple(row["messages"])))
+            docs.append(Document(name=f"{path.name}:{n}", messages=_messages(row["messages"], where)))
         elif "prompt" in row and "completion" in row:
             docs.append(Document(name=f"{path.name}:{n}", prompt=str(row["prompt"]), completion=str(row["completion"])))
         elif "text" in row:
             docs.append(Document(name=f"{path.name}:{n}", text=str(row["text"])))
         else:
             raise ConfigError(
-                f"{path}:{n}", f"has keys {sorted(row)}", 'each line needs "text", "prompt"+"completion", or "messages"'
+                "data.source",
+                f"{where} has keys {sorted(row)}",
+                'each line needs "text", "prompt"+"completion", or "messages"',
             )
     return docs
 
@@ -120,7 +132,26 @@ def tokenize(doc: Document, tokenizer) -> tuple[list[int], list[int]]:
     return ids, list(ids)
 
 
-def pack(docs: list[Document], tokenizer, seq_len: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _messages(value, where: str) -> tuple:
+    """A chat: a list of {"role": str, "content": str}, as chat templates expect."""
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+        )
+    ):
+        raise ConfigError(
+            "data.source",
+            f'{where}: messages must be a non-empty list of {{"role": ..., "content": ...}} objects',
+            'write e.g. "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]',
+        )
+    return tuple(value)
+
+
+def pack(
+    docs: list[Document], tokenizer, seq_len: int, vocab_size: int, *, split: str = "the split"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate documents (EOS after each) and cut into (n, seq_len) ids and labels."""
     eos = tokenizer.eos_token_id
     ids: list[int] = []
@@ -139,8 +170,8 @@ def pack(docs: list[Document], tokenizer, seq_len: int, vocab_size: int) -> tupl
     if n == 0:
         raise ConfigError(
             "batch.seq_len",
-            f"{seq_len} is longer than the whole split ({len(ids)} tokens)",
-            "lower batch.seq_len or add data",
+            f"{seq_len} is longer than {split} ({len(ids)} tokens)",
+            "lower batch.seq_len, add data, or change data.eval_fraction",
         )
     return (torch.tensor(ids[: n * seq_len]).view(n, seq_len), torch.tensor(labels[: n * seq_len]).view(n, seq_len))
 

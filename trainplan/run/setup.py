@@ -107,7 +107,21 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: list, lo
     tokenizer = weights.load_tokenizer(cfg, r.spec)
     train_docs, eval_docs = data.split_documents(documents, cfg.data.eval_fraction)
     seq, vocab = r.batch.seq_len, r.spec.vocab_size
-    train, held_out = (Split(docs, *data.pack(docs, tokenizer, seq, vocab)) for docs in (train_docs, eval_docs))
+    fraction = cfg.data.eval_fraction
+    train, held_out = (
+        Split(
+            docs, *data.pack(docs, tokenizer, seq, vocab, split=f"the {name} split (data.eval_fraction = {fraction})")
+        )
+        for docs, name in ((train_docs, "training"), (eval_docs, "held-out"))
+    )
+    per_step = r.batch.micro_batch_size * env.world
+    if train.ids.shape[0] < per_step and not cfg.train.overfit_batches:
+        raise C.ConfigError(
+            "batch.micro_batch_size",
+            f"{r.batch.micro_batch_size} per rank x {env.world} rank(s) needs {per_step} sequences at once, but the "
+            f"training split packs to {train.ids.shape[0]} of {seq} tokens: samples would repeat within a batch",
+            "lower batch.micro_batch_size or batch.seq_len, or add data",
+        )
     mesh = dist.mesh(env) if sharded else None
     meter = measure.PhaseMeter(env.device) if cfg.train.measure_memory else None
     with meter or contextlib.nullcontext():
