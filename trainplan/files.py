@@ -99,7 +99,7 @@ class DirLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 holder = self._holder()
-                if holder is None or (holder["host"] == me["host"] and not _alive(holder["pid"])):
+                if holder is None or (holder["host"] == me["host"] and not pid_alive(holder["pid"])):
                     self.path.unlink(missing_ok=True)  # stale: its run is gone
                     continue
                 raise ConfigError(
@@ -135,7 +135,8 @@ class DirLock:
                     break
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host is running (a signal-0 probe)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from trainplan.errors import ConfigError, TrainplanError
-from trainplan.files import fsync_dir, fsync_file, sha256_file
+from trainplan.files import fsync_dir, fsync_file, pid_alive, sha256_file
 from trainplan.run.dist import full_tensor, to_local
 
 SCHEMA = "trainplan.checkpoint/1"
@@ -347,16 +347,6 @@ def foreign(root: Path, run_id: str | None) -> list[Path]:
     return [p for p in _candidates(root) if validate(p) is None and run_id_of(p) != run_id]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _prune(root: Path, keep_last: int, run_id: str | None) -> None:
     """Keep this run's newest `keep_last` checkpoints; another run's are never touched."""
     own = [p for p in _candidates(root) if validate(p) is None and run_id_of(p) == run_id]
@@ -386,7 +376,7 @@ def clean_leftovers(root: Path) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
     for stale in root.glob(f".tmp-{PREFIX}*"):  # writes that died: never valid, safe to remove
         pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
 
 
