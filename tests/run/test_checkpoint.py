@@ -290,3 +290,30 @@ def test_two_live_runs_cannot_write_one_directory(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (tmp_path / DirLock.NAME).write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
     DirLock(tmp_path, "train.output_dir").acquire().release()  # stale: its process is gone
+
+
+def test_progress_a_checkpoint_claims_must_agree_with_itself(tiny_run, tmp_path, three_checkpoints):
+    """state.json edited to step 10**9 (its sum rewritten too) made a resume run 0 steps, exit 0."""
+    from trainplan.run.checkpoint import format as fmt
+
+    ck = three_checkpoints
+    newest = ck / "step-00000003"
+    state = json.loads((newest / "state.json").read_text())
+    (newest / "state.json").write_text(json.dumps({**state, "step": 10**9}))
+    manifest = json.loads((newest / "manifest.json").read_text())
+    manifest["parts"]["state.json"] = {
+        "bytes": (newest / "state.json").stat().st_size,
+        "sha256": sha256_file(newest / "state.json"),
+    }
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    assert fmt.validate(newest) is None  # the sums agree: only the progress itself gives it away
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"state.json says step 1000000000, the directory and manifest say 00000003 and 3",
+    ):
+        run(tiny_run, tmp_path / "b", "mode=lora", "train.steps=6", f"checkpoint.dir={ck}", "checkpoint.resume=auto")
+    with pytest.raises(
+        ConfigError, match=r"^train.steps: step-00000002 is at step 2, at or past train.steps = 2: nothing"
+    ):
+        resume = f"checkpoint.resume={ck / 'step-00000002'}"
+        run(tiny_run, tmp_path / "c", "mode=lora", "train.steps=2", f"checkpoint.dir={ck}", resume)

@@ -447,6 +447,9 @@ def load(path: Path, *, model: nn.Module, optimizer, scheduler, scaler, expect: 
     if reason is not None:
         raise CheckpointError(f"checkpoint: {path} is not usable: {reason}")
     state = json.loads((path / "state.json").read_text())
+    problem = _progress_problem(path, state)
+    if problem:
+        raise CheckpointError(f"checkpoint: {path} is not usable: {problem}")
     for key, what in (("model_fingerprint", "model"), ("mode", "mode"), ("compat", "config")):
         if state.get(key) != expect.get(key):
             raise ConfigError(
@@ -481,6 +484,27 @@ def load(path: Path, *, model: nn.Module, optimizer, scheduler, scaler, expect: 
         set_rng_state(_safe_load(rng_file))
     state["notes"] = notes
     return state
+
+
+def _progress_problem(path: Path, state) -> str | None:
+    """The progress a checkpoint claims must agree with itself: state.json's step is the step in
+    the directory's name and the manifest's, tokens and the data position are counts. (A state
+    edited by hand once made a resume run 0 steps and exit 0.)"""
+    if not isinstance(state, dict):
+        return "state.json is not a JSON object"
+    step, tokens = state.get("step"), state.get("tokens_seen")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, tokens)):
+        return f"state.json's step and tokens_seen must be counts (got {step!r}, {tokens!r})"
+    manifest = json.loads((path / "manifest.json").read_text())
+    named = path.name[len(PREFIX) :]
+    if not (named.isdigit() and int(named) == step == manifest.get("step")):
+        return f"state.json says step {step}, the directory and manifest say {named} and {manifest.get('step')!r}"
+    sampler = state.get("sampler")
+    if not isinstance(sampler, dict) or not all(
+        isinstance(sampler.get(k), int) and sampler.get(k) >= 0 for k in ("epoch", "position")
+    ):
+        return "state.json's data position (sampler epoch and position) is missing or not a count"
+    return None
 
 
 def tensor_hash(tensors) -> str:

@@ -174,6 +174,13 @@ class CheckpointManager:
                 )
             info = {"skipped": []}
         saved = self._load(path, state)
+        if state.step >= self.cfg.train.steps:
+            raise ConfigError(
+                "train.steps",
+                f"{path.name} is at step {state.step}, at or past train.steps = {self.cfg.train.steps}: "
+                "nothing is left to train",
+                "raise train.steps to train on from it",
+            )
         self.run_id = saved.get("run_id") or self.run_id  # continue that run's lineage
         info["loaded"] = state_hashes(model, state.optimizer)
         for note in saved["notes"] if self.env.is_main else []:
