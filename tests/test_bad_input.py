@@ -166,7 +166,7 @@ FLAG_CASES = [
     (["train", "--gpus", "4090"], r"^hardware\.gpus: "),
     (["train", "--model", "Llama-3.1-8B"], r"^model\.source: 'Llama-3.1-8B' describes an architecture"),
     (["train", "--set", "data.source=/nonexistent/corpus.jsonl"], r"^data\.source: "),
-    (["runs", "show", "999999"], r"^registry: no run registry at "),
+    (["runs", "show", "999999"], r"^(registry: no run registry at |runs: no run 999999 in )"),
     (["runs", "show", "abc"], r"^argument ids: invalid int value: 'abc'"),
     (["runs", "compare", "1"], r"^runs compare: takes 2 run id\(s\), got 1"),
     (["devices", "--gpus", "0,zz"], r"^--gpus: "),

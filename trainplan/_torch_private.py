@@ -185,7 +185,10 @@ class StorageTracker(TorchDispatchMode):
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _add(self, t: torch.Tensor, category: str) -> None:
-        if t.device.type == "meta":  # a model built on meta holds no memory yet (fake tensors report their fake device)
+        local = t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor reports its mesh's device
+        if (
+            local.device.type == "meta"
+        ):  # a model built on meta holds no memory yet (fake tensors report their fake device)
             return
         st = _storage(t)
         key = id(st)

@@ -68,7 +68,9 @@ def test_data_parallel_full_finetune_matches_one_process(tiny_run, tmp_path, sin
     assert ours == pytest.approx(ref, rel=1e-4, abs=1e-5)
     rows = _phase_rows(record)  # FSDP's save gathers full tensors; DDP keeps its buckets: each planned
     assert {r["phase"] for r in rows} == {"load", "evaluate", "save"}
-    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    assert all(r["ok"] for r in rows), [
+        (r["device"], r["phase"], r["planned"], r["measured"]) for r in rows if not r["ok"]
+    ]
 
 
 def _phase_rows(record: dict) -> list[dict]:

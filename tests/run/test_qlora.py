@@ -25,7 +25,7 @@ TINY = {
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
     "vocab_size": 256,
-    "max_position_embeddings": 128,
+    "max_position_embeddings": 4096,
 }
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # bitsandbytes stores per quantized tensor, besides the absmax the plan counts: the 16-entry NF4

@@ -48,7 +48,9 @@ def test_a_truncated_weights_file_is_one_line(tiny_run, tmp_path):
     shutil.copytree(root / "weights", broken)
     data = (broken / "model.safetensors").read_bytes()
     (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
-    cfg = C.load(None, [f"model.source={broken}", "mode=full", "precision=fp32", "hardware.gpus=cpu"])
+    cfg = C.load(
+        None, [f"model.source={broken}", "mode=full", "precision=fp32", "hardware.gpus=cpu", "batch.seq_len=64"]
+    )
     r = resolve(cfg)
     with pytest.raises(ConfigError, match=r"^model.source: corrupt weights file .*; re-download or re-convert"):
         weights.load_model(cfg, r.spec, r.precision, torch.device("cpu"))
