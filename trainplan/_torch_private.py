@@ -170,8 +170,11 @@ class StorageTracker(TorchDispatchMode):
     `reset_peak` is kept per category, so phases can be measured one by one.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fake=None) -> None:
+        """fake: the FakeTensorMode whose tensors stand for memory (the traced plan); any other
+        tensor without real storage is not counted."""
         super().__init__()
+        self.fake = fake
         self._live: dict[int, list] = {}  # id(storage) -> [category, nbytes]
         self.totals = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
@@ -186,9 +189,11 @@ class StorageTracker(TorchDispatchMode):
     # -- bookkeeping ----------------------------------------------------------------------
     def _add(self, t: torch.Tensor, category: str) -> None:
         local = t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor reports its mesh's device
-        if (
-            local.device.type == "meta"
-        ):  # a model built on meta holds no memory yet (fake tensors report their fake device)
+        ours = self.fake is not None and getattr(local, "fake_mode", None) is self.fake
+        if local.untyped_storage().device.type == "meta" and not ours:
+            # no memory: a model built on meta, or the fake tensors DTensor's sharding propagation
+            # makes for itself (they report the fake device). Only the traced plan's own fake
+            # tensors (self.fake) stand for memory.
             return
         st = _storage(t)
         key = id(st)

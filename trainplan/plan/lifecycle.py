@@ -5,8 +5,8 @@ maximum over the whole run and names the phase where it peaks. Imports no torch.
 
   load      run/weights.py copies the weights tensor by tensor from the memory-mapped file into the
             model's own storage: the model as stored, plus one tensor in flight where the path needs
-            one. FSDP materializes each full tensor on the device before it is scattered (and DTensor's
-            random initialization does the same, measured); QLoRA
+            one. FSDP materializes each full tensor on the device before it is scattered; a random
+            initialization under FSDP allocates the tied embedding's shard twice before re-tying (measured); QLoRA
             moves a 16-bit linear to the device and packs it there (on the CPU every 16-bit linear
             is already there when packing begins). Random initialization allocates the model alone.
   evaluate  run/evaluate.py after training steps: what persists between steps (weights, optimizer
@@ -45,11 +45,16 @@ def load(ctx: T.RankContext, weights: T.Term, adapter: T.AdapterTerm, buffers: i
     elif ctx.quantized:
         in_flight = _largest(ctx, ctx.quantized) * prec.frozen_bytes
         note = f"the largest linear in {ctx.dtype(prec.frozen_bytes)} on the device while it is packed to NF4"
-    elif ctx.fsdp:  # loaded (distribute_tensor) or initialized (DTensor's random ops) alike
+    elif ctx.fsdp and ctx.cfg.model.init != "random":
         nbytes = prec.param_bytes if ctx.full else prec.frozen_bytes
         full = _largest(ctx, ctx.held)
         in_flight = (full + -(-full // ctx.shard_w)) * nbytes
-        note = "the largest tensor in full on the device, and its shard, while it is scattered or initialized"
+        note = "the largest tensor in full on the device, and its shard, while distribute_tensor scatters it"
+    elif ctx.fsdp and ctx.r.spec.tie_word_embeddings and any(t.role == "embedding" for t in ctx.held):
+        nbytes = prec.param_bytes if ctx.full else prec.frozen_bytes
+        embedding = _largest(ctx, [t for t in ctx.held if t.role == "embedding"])
+        in_flight = -(-embedding // ctx.shard_w) * nbytes
+        note = "a second shard of the tied embedding: FSDP2 allocates it for both modules before they are re-tied"
     else:
         in_flight = 0
         note = "copied from the memory-mapped file straight into each parameter: nothing beside the model"

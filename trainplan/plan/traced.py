@@ -110,7 +110,7 @@ def _traced_step(r: resolve.Resolved, *, real: bool, target: str, world: int, me
     cfg, dims, prec, batch = r.cfg, r.dims, r.precision, r.batch
     micro_steps = min(batch.grad_accum_steps, 2)  # the second micro-batch sees accumulated grads
     model = build.build_model(r.spec, cfg, prec, dims=dims if mesh is not None else None, mesh=mesh)
-    with contextlib.nullcontext() if real else P.fake_mode():
+    with contextlib.nullcontext() if real else P.fake_mode() as fake:
         if real:
             torch.manual_seed(0)
             build.materialize(model, "cpu")
@@ -123,7 +123,7 @@ def _traced_step(r: resolve.Resolved, *, real: bool, target: str, world: int, me
         if cfg.mode != "inference":
             o = cfg.optim
             optimizer = step.build_optimizer(model, o.name, o.implementation, o.lr, o.weight_decay, target)
-        tracker = P.StorageTracker()
+        tracker = P.StorageTracker(fake)
         tracker.track(model, optimizer, [t for mb in micro_batches for t in mb.values()])
         tokens = micro_steps * batch.micro_batch_size * (batch.seq_len - 1) * world
         peaks = _PhasePeaks(tracker)
