@@ -77,3 +77,25 @@ def test_nan_and_inf_are_refused_naming_the_field(setting):
     key = setting.split("=")[0]
     with pytest.raises(ConfigError, match=rf"^{key}: must be a finite number \(got -?(nan|inf)\); give a finite value"):
         C.load(None, [setting])
+
+
+def test_every_problem_is_reported_at_once(tmp_path, capsys):
+    """Five independent mistakes in one config: five lines, one per field, exit 2, nothing run."""
+    from trainplan.cli import main
+
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(
+        'mode = "lorra"\n[optim]\nlr = -1\n[batch]\nseq_len = 0\n[guard]\nthreshold = nan\n[train]\nbogus = 1\n'
+    )
+    assert main(["plan", str(cfg)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    fields = [line.split(": error: ", 1)[1].split(":", 1)[0] for line in lines]
+    assert sorted(fields) == ["batch.seq_len", "guard.threshold", "optim.lr", "run.mode", "train.bogus"], lines
+    with pytest.raises(C.ConfigError) as e:  # a caller catching one ConfigError still catches them all
+        C.load(str(cfg))
+    assert len(e.value.errors) == 5
+
+
+def test_settings_that_conflict_only_together_are_still_refused():
+    with pytest.raises(C.ConfigError, match="guard.min_history"):
+        C.load(None, ["guard.window=4", "guard.min_history=9"])

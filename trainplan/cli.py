@@ -57,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         return args._run(args)
-    except TrainplanError as e:
-        print(f"trainplan {args.command}: error: {e}", file=sys.stderr)
+    except TrainplanError as e:  # one line a problem (a config can have several)
+        for line in str(e).splitlines():
+            print(f"trainplan {args.command}: error: {line}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training loop
         print(f"trainplan {args.command}: interrupted", file=sys.stderr)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainplan.errors import ConfigError, nearest
+from trainplan.errors import ConfigError, ConfigErrors, nearest
 
 MODES = ("full", "lora", "qlora", "inference")
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16")
@@ -133,8 +133,11 @@ class TrainConfig:
 
 
 GUARD_ACTIONS = ("skip", "rollback", "stop")
-# sigint@N: this process gets SIGINT at step N; hang@N: the last rank stops itself (SIGSTOP) at step N
-INJECT_KINDS = ("nan-loss", "nan-grad", "spike", "sigint", "hang")
+# sigint@N: this process gets SIGINT at step N; hang@N: the last rank stops itself (SIGSTOP) at step N;
+# kill-writing@N, kill-publishing@N, kill-pruning@N: rank 0 SIGKILLs itself inside step N's checkpoint
+# (parts half written; complete but not yet renamed; an old checkpoint half deleted)
+KILL_KINDS = ("kill-writing", "kill-publishing", "kill-pruning")
+INJECT_KINDS = ("nan-loss", "nan-grad", "spike", "sigint", "hang", *KILL_KINDS)
 
 
 @dataclass(kw_only=True)
@@ -160,6 +163,12 @@ class GuardConfig:
         _positive_int("guard", "window", self.window, minimum=2)
         for name in ("min_history", "rollback_skip", "max_rollbacks"):
             _positive_int("guard", name, getattr(self, name), minimum=0)
+        if self.min_history > self.window:  # the window never holds that many: spikes never checked
+            raise ConfigError(
+                "guard.min_history",
+                f"{self.min_history} exceeds guard.window ({self.window}), so spike detection would never start",
+                "set guard.min_history <= guard.window (0: half the window)",
+            )
         for name in ("threshold", "min_loss_scale", "rollback_lr_factor"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
@@ -354,38 +363,67 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def from_dict(tree: dict) -> RunConfig:
-    """Build and validate a RunConfig from a TOML-shaped dict; unknown keys are errors."""
+    """Build and validate a RunConfig from a TOML-shaped dict; unknown keys are errors. Every
+    problem is found before one is reported: one ConfigError, or ConfigErrors listing them all."""
     tree = dict(tree)
     run = tree.pop("run", {}) or {}
     if not isinstance(run, dict):
         raise ConfigError("run", f"must be a table of settings (got {run!r})", 'write e.g. [run] with mode = "lora"')
     top = {k: tree.pop(k) for k in _TOP_KEYS if k in tree}
     top.update({k: v for k, v in run.items()})
+    problems: list[ConfigError] = []
     sections: dict[str, Any] = {}
     for name, body in tree.items():
         cls = _SECTION_TYPES.get(name)
         if cls is None or not isinstance(body, dict):
-            raise ConfigError(name, "unknown section or setting", nearest(name, list(_SECTION_TYPES) + list(_TOP_KEYS)))
-        allowed = {f.name for f in dataclasses.fields(cls)}
-        for key in body:
-            if key not in allowed:
-                raise ConfigError(
-                    f"{name}.{key}", "unknown setting", nearest(f"{name}.{key}", sorted(f"{name}.{a}" for a in allowed))
-                )
-        types = {f.name: f.type for f in dataclasses.fields(cls)}
-        for key, value in body.items():  # nan and inf pass every range check (nan <= 0 is False)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{name}.{key}", f"must be a finite number (got {value})", "give a finite value")
-            check_type(f"{name}.{key}", types[key], value)
-        try:
-            sections[name] = cls(**body)
-        except TypeError as e:  # wrong type that the dataclass itself rejected
-            raise ConfigError(name, str(e), "check the section's value types") from None
+            problems.append(
+                ConfigError(name, "unknown section or setting", nearest(name, list(_SECTION_TYPES) + list(_TOP_KEYS)))
+            )
+            continue
+        section = _section(name, cls, body, problems)
+        if section is not None:
+            sections[name] = section
     for key in top:
         if key not in _TOP_KEYS:
-            raise ConfigError(f"run.{key}", "unknown setting", nearest(key, list(_TOP_KEYS)))
-        check_type(f"run.{key}", "str", top[key])
+            problems.append(ConfigError(f"run.{key}", "unknown setting", nearest(key, list(_TOP_KEYS))))
+            continue
+        try:
+            check_type(f"run.{key}", "str", top[key])
+            RunConfig(**{key: top[key]})
+        except ConfigError as e:
+            problems.append(e)
+    if problems:
+        raise problems[0] if len(problems) == 1 else ConfigErrors(problems)
     return RunConfig(**top, **sections)
+
+
+def _section(name: str, cls: type, body: dict, problems: list[ConfigError]):
+    """One section, built; or None with its problems appended: each setting is checked on its own
+    (type, finiteness, its own range), so one bad value does not hide the next."""
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    bad = []
+    for key, value in body.items():
+        where = f"{name}.{key}"
+        try:
+            if key not in fields:
+                raise ConfigError(where, "unknown setting", nearest(where, sorted(f"{name}.{a}" for a in fields)))
+            if isinstance(value, float) and not math.isfinite(value):  # nan and inf pass every range check
+                raise ConfigError(where, f"must be a finite number (got {value})", "give a finite value")
+            check_type(where, fields[key], value)
+            cls(**{key: value})
+        except ConfigError as e:
+            if e.field == where or key not in fields:
+                problems.append(e)
+                bad.append(key)
+    if bad:
+        return None
+    try:  # what only the settings together can break
+        return cls(**body)
+    except ConfigError as e:
+        problems.append(e)
+    except TypeError as e:  # a wrong type the dataclass itself rejected
+        problems.append(ConfigError(name, str(e), "check the section's value types"))
+    return None
 
 
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}

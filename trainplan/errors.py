@@ -17,6 +17,15 @@ class ConfigError(TrainplanError):
         super().__init__(f"{field}: {problem}; {fix}")
 
 
+class ConfigErrors(ConfigError):
+    """Several configuration fields are invalid: one line each, all found before any is reported."""
+
+    def __init__(self, errors: list[ConfigError]):
+        self.errors = errors
+        self.field = errors[0].field
+        ValueError.__init__(self, "\n".join(str(e) for e in errors))
+
+
 def nearest(name: str, choices: list[str] | tuple[str, ...], n: int = 3) -> str:
     """'did you mean ...' text for an unknown name (case-insensitive)."""
     lowered = {c.lower(): c for c in choices}

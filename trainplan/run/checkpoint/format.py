@@ -25,6 +25,7 @@ import os
 import pickle
 import random
 import shutil
+import signal
 import warnings
 from pathlib import Path
 
@@ -123,6 +124,7 @@ def save(
     state: dict,
     keep_last: int,
     sharded: bool = False,
+    kill: str | None = None,
 ) -> Path:
     """Write checkpoint `step` under root atomically; keep the newest `keep_last` valid ones.
 
@@ -130,6 +132,8 @@ def save(
     process, DDP, ZeRO-1): rank 0 writes weights (safetensors) and optimizer state. Sharded runs
     (FSDP2): every rank writes its own shards of both through torch.distributed.checkpoint (DCP).
     Rank 0 then writes the manifest and renames.
+
+    kill: fault injection (tests), one of config.KILL_KINDS: rank 0 SIGKILLs itself at that point.
     """
     import torch.distributed as dist
 
@@ -152,7 +156,7 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     try:
-        _write(tmp, root, final, step, model, optimizer, scheduler, scaler, state, keep_last, sharded, rank, world)
+        _write(tmp, root, final, step, model, optimizer, scheduler, scaler, state, keep_last, sharded, rank, world, kill)
     except (OSError, RuntimeError) as e:
         shutil.rmtree(tmp, ignore_errors=True)  # the space it held; the last good checkpoint stays
         if isinstance(e, RuntimeError) and not _is_write_failure(e):
@@ -161,7 +165,7 @@ def save(
     return final
 
 
-def _write(tmp, root, final, step, model, optimizer, scheduler, scaler, state, keep_last, sharded, rank, world):
+def _write(tmp, root, final, step, model, optimizer, scheduler, scaler, state, keep_last, sharded, rank, world, kill):
     from safetensors.torch import save_file
 
     if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO-1: gather the shards on rank 0
@@ -179,6 +183,7 @@ def _write(tmp, root, final, step, model, optimizer, scheduler, scaler, state, k
         if not sharded:
             save_file(trainable_state(model), str(tmp / "model.safetensors"))
             parts["optimizer.pt"] = optimizer.state_dict()
+        _die_if(kill == "kill-writing")  # weights (or every rank's shards) written, the rest not
         if scaler is not None:
             parts["scaler.pt"] = scaler.state_dict()
         for name, obj in parts.items():
@@ -187,8 +192,14 @@ def _write(tmp, root, final, step, model, optimizer, scheduler, scaler, state, k
         (tmp / "state.json").write_text(
             json.dumps({**state, "world_size": world, "format": fmt}, indent=1, sort_keys=True)
         )
-        _finish(root, tmp, final, step, world, scaler is not None, state, keep_last, fmt)
+        _finish(root, tmp, final, step, world, scaler is not None, state, keep_last, fmt, kill)
     _barrier()
+
+
+def _die_if(condition: bool) -> None:
+    """Fault injection (tests): die here as a kill -9 or a lost node would, with no clean-up."""
+    if condition:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def expected_bytes(root: Path, model: nn.Module, optimizer, world: int) -> int:
@@ -243,7 +254,16 @@ def _write_failure_text(root: Path, step: int, e: BaseException) -> str:
 
 
 def _finish(
-    root: Path, tmp: Path, final: Path, step: int, world: int, has_scaler: bool, state: dict, keep_last: int, fmt: str
+    root: Path,
+    tmp: Path,
+    final: Path,
+    step: int,
+    world: int,
+    has_scaler: bool,
+    state: dict,
+    keep_last: int,
+    fmt: str,
+    kill: str | None = None,
 ) -> None:
     mode = state.get("mode")
     files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
@@ -277,11 +297,12 @@ def _finish(
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(tmp)
+    _die_if(kill == "kill-publishing")  # complete, checksummed, not yet renamed into place
     if final.exists():
         remove(final)
     os.replace(tmp, final)
     fsync_dir(root)
-    _prune(root, keep_last, state.get("run_id"))
+    _prune(root, keep_last, state.get("run_id"), kill == "kill-pruning")
 
 
 def validate(path: Path) -> str | None:
@@ -347,23 +368,28 @@ def foreign(root: Path, run_id: str | None) -> list[Path]:
     return [p for p in _candidates(root) if validate(p) is None and run_id_of(p) != run_id]
 
 
-def _prune(root: Path, keep_last: int, run_id: str | None) -> None:
+def _prune(root: Path, keep_last: int, run_id: str | None, kill: bool = False) -> None:
     """Keep this run's newest `keep_last` checkpoints; another run's are never touched."""
     own = [p for p in _candidates(root) if validate(p) is None and run_id_of(p) == run_id]
     for old in own[keep_last:]:
-        remove(old)
+        remove(old, kill=kill)
     clean_leftovers(root)
 
 
-def remove(path: Path) -> None:
+def remove(path: Path, *, kill: bool = False) -> None:
     """Delete a checkpoint by renaming it out of the step-* namespace first: a kill during the
     removal leaves a `.del-*` directory that `clean_leftovers` finishes, never a half-deleted
-    step-* that looks like a checkpoint."""
+    step-* that looks like a checkpoint. kill: fault injection, die with half of it deleted."""
     doomed = path.with_name(f"{DELETING}{path.name}-{os.getpid()}")
     try:
         os.replace(path, doomed)
     except FileNotFoundError:
         return
+    if kill:
+        files = sorted(p for p in doomed.rglob("*") if p.is_file())
+        for f in files[: len(files) // 2 + 1]:
+            f.unlink()
+        _die_if(True)
     shutil.rmtree(doomed, ignore_errors=True)
 
 

@@ -102,6 +102,7 @@ class CheckpointManager:
             state={**self.expect, **state.state_dict(), "config": self.cfg.to_dict(), "run_id": self.run_id},
             keep_last=self.cfg.checkpoint.keep_last,
             sharded=self.sharded,
+            kill=next((k for k in self.cfg.guard.injections().get(state.step, ()) if k in C.KILL_KINDS), None),
         )
 
     def _load(self, path: Path, state) -> dict:
