@@ -199,7 +199,9 @@ class StorageTracker(TorchDispatchMode):
         key = id(st)
         entry = self._live.get(key)
         if entry is not None:
-            if category in ("params", "grads", "optimizer", "buffers", "inputs") and entry[0] != category:
+            # an optimizer updating a parameter (or its gradient) in place does not make it a state
+            kept = category == "optimizer" and entry[0] in ("params", "buffers", "grads")
+            if category in ("params", "grads", "optimizer", "buffers", "inputs") and entry[0] != category and not kept:
                 self.retagged.append((entry[1], entry[2], self.phase, entry[0], category))
                 self.totals[entry[0]] -= entry[1]
                 self.totals[category] += entry[1]

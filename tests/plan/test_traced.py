@@ -29,6 +29,7 @@ CASES = {
     "amp-bf16": ["precision=amp-bf16"],
     "bf16": ["precision=bf16"],
     "lora-amp": ["precision=amp-bf16", "mode=lora"],
+    "lora-qv-no-dropout": ["precision=fp32", "mode=lora", "lora.dropout=0"],  # q and v's lora_A share x
     "checkpointing": ["precision=fp32", "memory.activation_checkpointing=true"],
     "eager": ["precision=fp32", "memory.attention=eager"],
     "inference": ["precision=amp-bf16", "mode=inference"],
@@ -245,3 +246,21 @@ def test_fp32_inference_logits_are_not_upcast(tmp_path, tiny_llama):
     result, _ = traced.trace(cfg)
     led = analytic.plan(cfg).devices[0]
     assert abs(led.phase_total("inference") - result.peak_bytes) <= 0.003 * result.peak_bytes
+
+
+def test_trace_labels_tensors_by_what_they_are(tiny_dir):
+    """The optimizer updates parameters in place: they stay weights (not optimizer states), so
+    each component of the trace, not only the totals, matches the ledger's."""
+    cfg = cfg_for(tiny_dir, "fp32")
+    result, _ = traced.trace(cfg)
+    led = analytic.plan(cfg).devices[0]
+    config = json.loads((tiny_dir / "tiny.json").read_text())
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**config))
+    params = sum(p.numel() * 4 for p in model.parameters())  # fp32
+    step = result.phases["optimizer"]
+    assert step["weights"] == params and step["gradients"] == params
+    n_tensors = len(list(model.parameters()))  # Adam: two moments, and a 4-byte step count per tensor
+    assert step["optimizer"] == led.phases["optimizer"]["optimizer"] == 2 * params + 4 * n_tensors

@@ -85,14 +85,21 @@ def _linear_inputs(
                     name=f"{source} (input of {'/'.join(m for m, _ in base_trainable)})", nbytes=t * n * source_bytes
                 )
             )
-    for m, n in modules:
-        if m not in ctx.lora_targets:
-            continue
-        in_bytes = ctx.adapter_bytes if not ctx.autocast else cb
-        if ctx.lora_dropout > 0 and ctx.dropout_active and input_requires_grad:
+    in_bytes = ctx.adapter_bytes if not ctx.autocast else cb
+    dropout = ctx.lora_dropout > 0 and ctx.dropout_active  # else nn.Identity (or eval): x itself
+    # Without autocast, an input already in the adapters' dtype reaches every lora_A undropped and
+    # uncast: one tensor, saved once however many adapters read it.
+    shared = not dropout and not ctx.autocast and source_bytes == in_bytes
+    targets = [(m, n) for m, n in modules if m in ctx.lora_targets]
+    for i, (m, n) in enumerate(targets):
+        if dropout and input_requires_grad:
             # PEFT casts x to the adapter dtype before dropout
             out.append(SavedTensor(name=f"{m}.lora_dropout.mask", nbytes=t * n * _mask_bytes(ctx, ctx.adapter_bytes)))
-        out.append(SavedTensor(name=f"{m}.lora_A.input", nbytes=t * n * in_bytes))
+        if not shared:
+            out.append(SavedTensor(name=f"{m}.lora_A.input", nbytes=t * n * in_bytes))
+        elif i == 0:
+            readers = "/".join(f"{x}.lora_A" for x, _ in targets)
+            out.append(SavedTensor(name=f"{source} (input of {readers})", nbytes=t * n * in_bytes))
         out.append(SavedTensor(name=f"{m}.lora_B.input", nbytes=t * ctx.lora_r * (cb if ctx.autocast else in_bytes)))
     return out
 
