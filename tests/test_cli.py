@@ -186,3 +186,16 @@ def test_a_sequence_beyond_the_context_is_refused_unless_extended(capsys):
     assert "batch.seq_len: 200000 exceeds the model's context of 131072" in capsys.readouterr().err
     assert cli.main([*argv, "--set", "model.extend_context=true"]) in (0, 1)  # planned: fits or not
     assert "quality beyond it is not assured" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_written_files_follow_the_umask(tmp_path, umask):
+    """Reports are written atomically through a temporary file, whose 0600 must not stick."""
+    import os
+
+    old = os.umask(umask)
+    try:
+        assert cli.main(["plan", "--output", str(tmp_path / "plan.md")]) == 0
+    finally:
+        os.umask(old)
+    assert (tmp_path / "plan.md").stat().st_mode & 0o777 == 0o666 & ~umask

@@ -16,6 +16,7 @@ def write_atomic(path: str | Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide reports from the user's group
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -24,6 +25,12 @@ def write_atomic(path: str | Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def fsync_file(path: Path) -> None:
