@@ -72,6 +72,29 @@ def fake_mode():
 
 
 @contextlib.contextmanager
+def grouped_mm_any_dtype() -> Iterator[None]:
+    """Fake tensors through aten._grouped_mm (transformers' MoE experts) in fp32 and fp16.
+
+    torch's meta kernel checks for bf16 only (the CUDA fast path's constraint), while the CPU and
+    CUDA kernels also take fp32 and fp16 and return the input dtype: without this, tracing an fp32
+    MoE model raises where training it does not."""
+    import torch._meta_registrations as M
+
+    original = M._meta_grouped_mm_common
+
+    def common(mat_a, mat_b, scale_a=None, scale_b=None, offs=None, bias=None, scale_result=None, out_dtype=None, **kw):
+        if scale_a is None and mat_a.dtype == mat_b.dtype and mat_a.dtype in (torch.float32, torch.float16):
+            return M._create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+        return original(mat_a, mat_b, scale_a, scale_b, offs, bias, scale_result, out_dtype, **kw)
+
+    M._meta_grouped_mm_common = common
+    try:
+        yield
+    finally:
+        M._meta_grouped_mm_common = original
+
+
+@contextlib.contextmanager
 def cuda_kernels() -> Iterator[None]:
     """Trace on the CPU with what CUDA's kernels save, for a plan that targets GPUs.
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from trainplan.spec.model import ModelSpec
 
+INT64 = 8
 BOOL = 1  # CUDA's fused dropout saves a torch.bool mask
 FP32 = 4
 
@@ -39,6 +40,7 @@ class ActContext:
     lora_r: int = 0
     lora_dropout: float = 0.0
     adapter_bytes: int = FP32
+    expert_bytes: int = FP32  # MoE expert weights as the grouped matmul sees them
     attention: str = "sdpa"
     dropout_active: bool = True  # training mode: nn.Dropout with p > 0 saves a mask
     # On CUDA, dropout is the fused native_dropout, which saves a bool mask. The CPU path computes
@@ -104,6 +106,12 @@ def _linear_inputs(
     return out
 
 
+def _trains(ctx: ActContext, projection: str) -> bool:
+    """Whether a q/k/v projection's output requires grad on its own: its weight trains, or an
+    adapter sits on it (a fused qkv_proj counts for all three)."""
+    return any(m in ctx.trainable_linears or m in ctx.lora_targets for m in (projection, "qkv_proj", "c_attn"))
+
+
 def _norm(name: str, spec: ModelSpec, ctx: ActContext, input_bytes: int) -> list[SavedTensor]:
     """RMSNorm saves its fp32 input (x.to(float32): a copy when x is 16-bit) and, when its weight
     trains, the normalized tensor. LayerNorm (native_layer_norm) saves its input plus fp32 mean
@@ -153,16 +161,24 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
         s = ctx.seq
         scores = ctx.batch * heads * s * s
         kv_rep = q_dim  # repeat_kv materializes K and V at the full head count
-        out += [
-            SavedTensor(name="attn.query", nbytes=t * q_dim * qk_bytes),
-            SavedTensor(name="attn.key (repeated to all heads)", nbytes=t * kv_rep * qk_bytes),
-            SavedTensor(name="attn.value (repeated to all heads)", nbytes=t * kv_rep * cb),
-        ]
+        # A matmul saves each operand for the other's gradient: under LoRA the first layer's
+        # input needs none, so only the projections that train make q, k or v require one.
+        q_rg, k_rg, v_rg = (input_requires_grad or _trains(ctx, name) for name in ("q_proj", "k_proj", "v_proj"))
+        scores_rg = q_rg or k_rg
+        if k_rg:
+            out.append(SavedTensor(name="attn.query", nbytes=t * q_dim * qk_bytes))
+        if q_rg:
+            out.append(SavedTensor(name="attn.key (repeated to all heads)", nbytes=t * kv_rep * qk_bytes))
+        if scores_rg:
+            out.append(SavedTensor(name="attn.value (repeated to all heads)", nbytes=t * kv_rep * cb))
+        if spec.attn_softcap and scores_rg:  # Gemma-2: cap * tanh(scores / cap) saves the tanh
+            out.append(SavedTensor(name="attn.softcap tanh output", nbytes=scores * cb, note="s^2 term"))
         # Llama-style eager attention takes softmax in fp32 and casts back (both saved); GPT-2's
         # softmax runs in the scores' dtype, which autocast promotes to fp32.
         softmax_bytes = FP32 if (ctx.autocast or spec.model_type != "gpt2") else cb
-        out.append(SavedTensor(name="attn.softmax output", nbytes=scores * softmax_bytes, note="s^2 term"))
-        if softmax_bytes != cb:
+        if scores_rg or (v_rg and softmax_bytes == cb):
+            out.append(SavedTensor(name="attn.softmax output", nbytes=scores * softmax_bytes, note="s^2 term"))
+        if softmax_bytes != cb and v_rg:
             out.append(SavedTensor(name="attn.probs (cast to compute dtype)", nbytes=scores * cb, note="s^2 term"))
         if spec.attn_dropout > 0 and ctx.dropout_active:
             out += [
@@ -179,8 +195,10 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
         ]
     o_name = "c_proj" if spec.model_type == "gpt2" else "o_proj"
     # SDPA returns its output laid out (b, s, heads, d): the transpose + reshape feeding o_proj
-    # is a view of the saved output. Eager attention's matmul output needs a contiguous copy.
-    if ctx.attention == "eager":
+    # is a view of the saved output. Eager attention's matmul output needs a contiguous copy, and
+    # so does Phi-3's (its value is a strided view of the fused qkv output, and SDPA's output
+    # follows that layout).
+    if ctx.attention == "eager" or (spec.fused_qkv and spec.model_type != "gpt2"):
         out += _linear_inputs(spec, ctx, [(o_name, q_dim)], "attn.output (contiguous copy)", cb)
     else:  # only LoRA's own saved tensors are new
         shared = replace(ctx, trainable_linears=ctx.trainable_linears - {o_name})
@@ -194,7 +212,6 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
 
 def mlp_saved(spec: ModelSpec, ctx: ActContext) -> list[SavedTensor]:
     t, h, cb, rb = ctx.tokens, spec.hidden_size, ctx.compute_bytes, ctx.residual_bytes
-    inter = spec.intermediate_size // ctx.tp
     out: list[SavedTensor] = []
     if spec.model_type == "gpt2":
         norm_name = "ln_2"
@@ -203,36 +220,67 @@ def mlp_saved(spec: ModelSpec, ctx: ActContext) -> list[SavedTensor]:
     else:
         norm_name = "post_attention_layernorm"
     out += _norm(norm_name, spec, ctx, rb)
-    k = spec.experts_per_token or 1  # MoE: each token runs through k experts
     if spec.num_experts:
-        out.append(SavedTensor(name="router logits/probs (fp32)", nbytes=2 * t * spec.num_experts * FP32))
-        out.append(SavedTensor(name="experts.input (gathered tokens)", nbytes=k * t * h * cb))
-    elif spec.mlp == "dense":
-        out += _linear_inputs(spec, ctx, [("c_fc", h)], f"{norm_name}.output", rb)
-    elif spec.fused_gate_up:
-        out += _linear_inputs(spec, ctx, [("gate_up_proj", h)], f"{norm_name}.output", rb)
+        out += _experts_saved(spec, ctx)
     else:
-        out += _linear_inputs(spec, ctx, [("gate_proj", h), ("up_proj", h)], f"{norm_name}.output", rb)
-    width = k * t * inter
+        out += _dense_mlp_saved(spec, ctx, norm_name)
+    if spec.resid_dropout > 0 and ctx.dropout_active:
+        out.append(SavedTensor(name="mlp.resid_dropout mask", nbytes=t * h * _mask_bytes(ctx, cb)))
+    if spec.norms_per_layer == 4:
+        out += _norm("post_feedforward_layernorm", spec, ctx, cb)
+    return out
+
+
+def _dense_mlp_saved(spec: ModelSpec, ctx: ActContext, norm_name: str) -> list[SavedTensor]:
+    t, h, cb, rb = ctx.tokens, spec.hidden_size, ctx.compute_bytes, ctx.residual_bytes
+    width = t * spec.intermediate_size // ctx.tp
+    out: list[SavedTensor] = []
     if spec.mlp == "dense":
+        out += _linear_inputs(spec, ctx, [("c_fc", h)], f"{norm_name}.output", rb)
         act_saves = 4 if spec.hidden_act in ("gelu_new", "gelu_fast") else 1  # python tanh-GELU saves 4 tensors
         out.append(SavedTensor(name=f"act ({spec.hidden_act}) saved tensors", nbytes=act_saves * width * cb))
         down_name, down_in = "c_proj", "act output"
     else:
+        if spec.fused_gate_up:
+            out += _linear_inputs(spec, ctx, [("gate_up_proj", h)], f"{norm_name}.output", rb)
+        else:
+            out += _linear_inputs(spec, ctx, [("gate_proj", h), ("up_proj", h)], f"{norm_name}.output", rb)
         out += [
             SavedTensor(name="gate_proj.output (act input)", nbytes=width * cb),
             SavedTensor(name="up_proj.output", nbytes=width * cb),
             SavedTensor(name="act(gate) output", nbytes=width * cb),
         ]
         down_name, down_in = "down_proj", "act(gate) * up"
-    if spec.num_experts:
-        out.append(SavedTensor(name="experts.down input", nbytes=width * cb))
-    else:
-        out += _linear_inputs(spec, ctx, [(down_name, inter)], down_in, cb)
-    if spec.resid_dropout > 0 and ctx.dropout_active:
-        out.append(SavedTensor(name="mlp.resid_dropout mask", nbytes=t * h * _mask_bytes(ctx, cb)))
-    if spec.norms_per_layer == 4:
-        out += _norm("post_feedforward_layernorm", spec, ctx, cb)
+    return out + _linear_inputs(spec, ctx, [(down_name, spec.intermediate_size // ctx.tp)], down_in, cb)
+
+
+def _experts_saved(spec: ModelSpec, ctx: ActContext) -> list[SavedTensor]:
+    """A sparse MoE block (transformers 5's grouped-matmul experts): the router (a linear, fp32
+    softmax, top-k, renormalization), each token's k rows gathered by expert, two grouped matmuls
+    in the experts' own dtype, the routing-weight multiply, and the scatter back. Grouped matmuls
+    save their input only when the expert weights train; the down projection's output is saved
+    for the routing weights' gradient either way."""
+    t, h, rb, cb = ctx.tokens, spec.hidden_size, ctx.residual_bytes, ctx.compute_bytes
+    k, n_experts, xb = spec.experts_per_token or 1, spec.num_experts, ctx.expert_bytes
+    rows, inter = k * t, spec.intermediate_size // ctx.tp
+    trains = ctx.norms_trainable  # full fine-tuning: router and experts train
+    out: list[SavedTensor] = []
+    if trains:
+        out.append(SavedTensor(name="router.input", nbytes=t * h * (cb if ctx.autocast else rb)))
+        out.append(SavedTensor(name="experts.input (tokens gathered by expert)", nbytes=rows * h * xb))
+    out += [
+        SavedTensor(name="router softmax (fp32)", nbytes=t * n_experts * FP32),
+        SavedTensor(name="router top-k indices", nbytes=t * k * INT64),
+        SavedTensor(name="router top-k weights and their sum (fp32)", nbytes=t * (k + 1) * FP32),
+        SavedTensor(name="routing permutations (3 index tensors)", nbytes=3 * rows * INT64),
+        SavedTensor(name="experts' group offsets", nbytes=2 * n_experts * 4),
+        SavedTensor(name="gate_up output (act input and up)", nbytes=rows * 2 * inter * xb),
+        SavedTensor(name="act(gate) output", nbytes=rows * inter * xb),
+        SavedTensor(name="down output (for the routing weights)", nbytes=rows * h * xb),
+        SavedTensor(name="routing weights (fp32)", nbytes=rows * FP32),
+    ]
+    if trains:
+        out.append(SavedTensor(name="down input (act(gate) * up)", nbytes=rows * inter * xb))
     return out
 
 

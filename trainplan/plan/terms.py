@@ -208,6 +208,9 @@ def _act_context(
         lora_r=cfg.lora.r,
         lora_dropout=cfg.lora.dropout,
         adapter_bytes=cb if fsdp else 4,  # FSDP2 gathers the adapters in its param dtype too
+        # MoE experts run transformers' grouped matmul, which autocast does not cover: it casts its
+        # input to the experts' own dtype (FSDP2: the dtype it gathers them in)
+        expert_bytes=cb if fsdp else (r.precision.param_bytes if full else r.precision.frozen_bytes),
         attention=r.attention,
         cpu=cpu,
         dropout_active=r.training,
@@ -253,7 +256,7 @@ def _autocast_cast(ctx: RankContext) -> list[ParamTensor]:
     return [
         t
         for t in ctx.trainable
-        if t.role in ("linear", "bias", "router", "expert")
+        if t.role in ("linear", "bias", "router")  # experts: grouped matmuls, outside autocast
         or (t.role == "lm_head" and not ctx.r.fused_loss)  # the fused loss casts the head per call
         or (t.role == "embedding" and ctx.spec.tie_word_embeddings and ctx.last and not ctx.r.fused_loss)
     ]

@@ -110,7 +110,7 @@ def _traced_step(r: resolve.Resolved, *, real: bool, target: str, world: int, me
     cfg, dims, prec, batch = r.cfg, r.dims, r.precision, r.batch
     micro_steps = min(batch.grad_accum_steps, 2)  # the second micro-batch sees accumulated grads
     model = build.build_model(r.spec, cfg, prec, dims=dims if mesh is not None else None, mesh=mesh)
-    with contextlib.nullcontext() if real else P.fake_mode() as fake:
+    with contextlib.nullcontext() if real else P.fake_mode() as fake, P.grouped_mm_any_dtype():
         if real:
             torch.manual_seed(0)
             build.materialize(model, "cpu")

@@ -74,6 +74,7 @@ class ModelSpec:
     experts_per_token: int = 0
     learned_positions: int = 0  # GPT-2 wpe rows
     attn_dropout: float = 0.0
+    attn_softcap: float = 0.0  # Gemma-2: eager attention caps its scores with cap * tanh(scores / cap)
     resid_dropout: float = 0.0
     embd_dropout: float = 0.0
     source: str = ""
@@ -127,9 +128,10 @@ class ModelSpec:
         else:
             for mod, out in (("q_proj", self.q_dim), ("k_proj", self.kv_dim), ("v_proj", self.kv_dim)):
                 attn.append(LinearShape(module=mod, in_features=h, out_features=out, bias=self.qkv_bias, group="attn"))
-        attn.append(
-            LinearShape(module="o_proj", in_features=self.q_dim, out_features=h, bias=self.out_bias, group="attn")
-        )
+        o_proj = LinearShape(module="o_proj", in_features=self.q_dim, out_features=h, bias=self.out_bias, group="attn")
+        # in the modules' registration order, which the parameters (and the optimizer's loop) follow:
+        # Phi-3 registers o_proj before qkv_proj
+        attn.insert(0 if self.model_type == "phi3" else len(attn), o_proj)
         if self.num_experts:
             return tuple(attn)
         b = self.mlp_bias
@@ -330,6 +332,7 @@ def from_hf_config(cfg: dict, *, name: str, where: str = "config.json") -> Model
         num_experts=cfg.get("num_local_experts", 0) if mt == "mixtral" else 0,
         experts_per_token=cfg.get("num_experts_per_tok", 0) if mt == "mixtral" else 0,
         attn_dropout=cfg.get("attention_dropout", 0.0) or 0.0,
+        attn_softcap=(cfg.get("attn_logit_softcapping") or 0.0) if mt == "gemma2" else 0.0,
         resid_dropout=cfg.get("resid_pdrop", 0.0) or 0.0,
         embd_dropout=cfg.get("embd_pdrop", 0.0) or 0.0,
         source=where,
