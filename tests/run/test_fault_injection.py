@@ -81,7 +81,7 @@ def test_kill_anywhere_then_resume_auto_is_bitwise(tiny_run, tmp_path, mode):
             kind = "kill-writing"
         at = latest + 2
         assert at <= STEPS, f"the chain ran out of steps at kill {i}"
-        inject = [f"guard.inject=[\"{kind}@{at}\"]"] if kind != "random" else []
+        inject = [f'guard.inject=["{kind}@{at}"]'] if kind != "random" else []
         cmd = _cmd(tiny_run, nproc, tmp_path / "run", *settings, *resume, *inject)
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if kind == "random":  # the whole job at once, as a lost machine: launcher and every rank
@@ -110,7 +110,6 @@ def test_kill_anywhere_then_resume_auto_is_bitwise(tiny_run, tmp_path, mode):
     assert record["resume"] is not None and record["final"] == expected
     assert not list(ck.glob(".tmp-step-*")) and not list(ck.glob(".del-*"))  # dead writers' leftovers cleaned
     assert len(_published(ck)) == 2  # keep_last, after every pruning the kills interrupted
-
 
 
 def _kill_tree(pid: int) -> None:

@@ -156,7 +156,9 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     try:
-        _write(tmp, root, final, step, model, optimizer, scheduler, scaler, state, keep_last, sharded, rank, world, kill)
+        _write(
+            tmp, root, final, step, model, optimizer, scheduler, scaler, state, keep_last, sharded, rank, world, kill
+        )
     except (OSError, RuntimeError) as e:
         shutil.rmtree(tmp, ignore_errors=True)  # the space it held; the last good checkpoint stays
         if isinstance(e, RuntimeError) and not _is_write_failure(e):
