@@ -299,6 +299,9 @@ ARCH_CASES = {
     "mixtral-full": ("Mixtral-8x7B", ["mode=full", "precision=bf16"], ("forward", "optimizer")),
     "mixtral-full-amp": ("Mixtral-8x7B", ["mode=full", "precision=amp-bf16"], ("forward", "optimizer")),
     "mixtral-lora": ("Mixtral-8x7B", ["mode=lora", "precision=bf16"], ("forward", "optimizer")),
+    # a vocabulary large beside the layers (SmolLM2's): the embedding's backward is the backward peak
+    "big-vocab-tied": ("tiny-llama", ["mode=full", "precision=amp-bf16"], ("forward", "backward", "optimizer")),
+    "big-vocab-untied": ("tiny-llama", ["mode=full", "precision=fp32"], ("forward", "backward", "optimizer")),
     "mixtral-full-checkpointing": (
         "Mixtral-8x7B",
         ["mode=full", "precision=bf16", "memory.activation_checkpointing=true"],
@@ -310,7 +313,8 @@ ARCH_CASES = {
 @pytest.mark.parametrize("case", sorted(ARCH_CASES))
 def test_analytic_ledger_agrees_with_the_trace_per_architecture(tmp_path, case):
     preset, sets, phases = ARCH_CASES[case]
-    source = _tiny_arch(tmp_path, preset)
+    vocab = {"vocab_size": 49152, "tie_word_embeddings": case.endswith("-tied")} if "big-vocab" in case else {}
+    source = _tiny_arch(tmp_path, preset, **vocab)
     cfg = C.load(
         None,
         [f"model.source={source}", "model.init=random", "hardware.gpus=cpu", "batch.seq_len=32", *sets]

@@ -28,6 +28,9 @@ def backward_moments(
     plan takes whichever holds the most."""
     end = _backward_end(ctx, start, adapter, grads, acts, comm)
     candidates = [start, end]
+    embedding = _embedding_backward(ctx, end, grads, acts)
+    if embedding is not None:
+        candidates.append(embedding)
     if ctx.dims.reshard_after_forward:
         # The root unit is resharded after forward and gathered again as backward starts: its
         # all-gather output buffer and the unsharded parameters exist together for a moment.
@@ -75,6 +78,25 @@ def _backward_end(
         # backward: the head's unsharded gradient (compute dtype) is still there at the end.
         end["comm_buffers"] += ctx.head.numel * ctx.cb
     return end
+
+
+def _embedding_backward(ctx: RankContext, end: dict[str, int], grads: GradTerm, acts: ActTerm) -> dict[str, int] | None:
+    """The embedding's backward, the last of all: every other gradient exists, and
+    embedding_dense_backward forms a vocab x hidden gradient. Tied to the head, the head's gradient
+    waits in autograd's input buffer for it and the two are summed into a third (measured on the
+    trace: 3 vocab x hidden tensors at once). Where the vocabulary is large beside a layer
+    (SmolLM2: 28M of 135M parameters), this moment is the backward peak."""
+    emb = next((t for t in ctx.trainable if t.role == "embedding"), None)
+    if emb is None or not (ctx.full and ctx.first) or ctx.fsdp or ctx.shard_g > 1:
+        return None
+    formed = _tp_numel(emb, ctx.tp) * ctx.prec.grad_bytes
+    tied = ctx.spec.tie_word_embeddings
+    moment = dict(end)
+    moment["weight_copies"] = 0  # every layer's backward has consumed its casts
+    moment["gradients"] = grads.nbytes - (formed if tied and not ctx.persistent_grads else 0)
+    in_buffers = (3 * formed if tied else 0) + (formed if ctx.persistent_grads and not tied else 0)
+    moment["activations"] = ctx.in_flight * acts.step_inputs + in_buffers
+    return moment
 
 
 def _top_layer_mlp_backward(
