@@ -339,3 +339,18 @@ def test_an_fp32_moe_traces_as_it_runs(tmp_path):
     fake, _ = traced.trace(cfg)
     real, _ = traced.trace(cfg, real=True)
     assert {p: sum(c.values()) for p, c in fake.phases.items()} == {p: sum(c.values()) for p, c in real.phases.items()}
+
+
+def test_trace_explains_its_own_peak(tiny_dir, capsys):
+    """`trainplan trace` says where its peak is and sets each traced component beside the
+    analytic figure of the same phase, with the analytic term's reasoning."""
+    from trainplan.cli import main
+
+    args = ["trace", "--model", str(tiny_dir / "tiny.json"), "--gpus", "cpu", "--seq", "32", "--micro-batch", "2"]
+    assert main([*args, "--precision", "fp32"]) == 0
+    text = capsys.readouterr().out
+    why = text.split("Why (", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    assert why[0].startswith("  backward: the most the fake tensors held at once during backward")
+    lines = {line.split(":", 1)[0].strip(): line for line in why[1:]}
+    assert {"weights", "gradients", "optimizer", "activations"} <= set(lines)
+    assert "traced" in lines["weights"] and "B (fp32)" in lines["weights"]  # the analytic reasoning, kept

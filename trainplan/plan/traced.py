@@ -233,12 +233,31 @@ def _whole_run(analytic_phases: dict, traced_phases: dict) -> dict:
     return out
 
 
+def _why(traced, analytic) -> dict[str, str]:
+    """The trace's own why-lines: where its peak is, and each component there beside the analytic
+    plan's figure for the same phase, with the analytic term's reasoning."""
+    from trainplan.plan.ledger import gib
+
+    phase = traced.peak_phase
+    source = "the analytic plan (not traced)" if phase in ("load", "evaluate", "save") else "the fake tensors"
+    out = {phase: f"the most {source} held at once during {phase}, on the measured (second) step"}
+    planned = analytic.phases.get(phase, {})
+    for component, nbytes in traced.phases[phase].items():
+        if not nbytes:
+            continue
+        line = f"traced {gib(nbytes)}; the analytic plan has {gib(planned.get(component, 0))} here"
+        reason = analytic.explain.get(component)
+        out[component] = f"{line} ({reason})" if reason else line
+    return out
+
+
 def traced_ledger(result: TraceResult, r: resolve.Resolved, analytic_ledger: Ledger) -> Ledger:
     """The traced bill as a Ledger (runtime and allocator reserve from the analytic settings)."""
-    devices = [
-        dataclasses.replace(proto, phases=_whole_run(proto.phases, result.phases), explain={}, details={})
-        for proto in analytic_ledger.devices
-    ]
+    devices = []
+    for proto in analytic_ledger.devices:
+        device = dataclasses.replace(proto, phases=_whole_run(proto.phases, result.phases), explain={}, details={})
+        device.explain.update(_why(device, proto))
+        devices.append(device)
     return Ledger(
         model=analytic_ledger.model,
         settings=analytic_ledger.settings,
