@@ -215,7 +215,8 @@ def _file_cases(tmp):
         (["plan", str(run_five)], r"^run: must be a table"),
         (["plan", str(wrong_section)], r"^batch: unknown section or setting"),
         (["plan", str(tmp / "missing.toml")], r"^config: no such file"),
-        (["plan", str(a_dir)], r"^config: no such file"),
+        (["plan", str(a_dir)], r"^model\.source: .*has no config\.json"),  # a directory is a model
+        (["plan", str(tmp / "no-such-model")], r"^config: .*neither a TOML file nor a model"),
         (["plan", "--model", str(bad_json)], r"^model\.source: .*malformed JSON"),
         (["plan", "--model", str(list_json)], r"^model\.source: "),
         (["plan", "--model", str(empty_json)], r"^model\.source: "),

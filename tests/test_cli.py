@@ -199,3 +199,18 @@ def test_written_files_follow_the_umask(tmp_path, umask):
     finally:
         os.umask(old)
     assert (tmp_path / "plan.md").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_positional_model_is_the_model(tmp_path, capsys):
+    """`plan Llama-3.1-8B` and `plan <config.json>` plan that model; a TOML file is still a config;
+    a name that is neither says so, with the nearest presets and --model."""
+    assert cli.main(["plan", "Llama-3.1-8B", "--mode", "lora", "--gpus", "H100-80GB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["name"] == "Llama-3.1-8B"
+    (tmp_path / "run.toml").write_text('[model]\nsource = "GPT-2"\n')
+    assert cli.main(["plan", str(tmp_path / "run.toml"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["name"] == "GPT-2"
+    assert cli.main(["plan", "Lama-3.1-8B"]) == 2
+    err = capsys.readouterr().err
+    assert "neither a TOML file nor a model" in err and "'Llama-3.1-8B'" in err and "--model" in err
+    assert cli.main(["plan", "Llama-3.1-8B", "--model", "GPT-2"]) == 2
+    assert "two models given" in capsys.readouterr().err

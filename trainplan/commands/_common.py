@@ -41,7 +41,12 @@ SWITCHES = (
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="?", help="TOML run config (optional; flags and --set override it)")
+    p.add_argument(
+        "config",
+        nargs="?",
+        help="TOML run config, or a model (preset name, model directory, config.json, .gguf) as --model gives "
+        "it (optional; flags and --set override it)",
+    )
     for flag, _, kwargs in CONFIG_FLAGS:
         p.add_argument(flag, default=None, **kwargs)
     p.add_argument("--lora-targets", default=None, help="comma-separated LoRA target modules (default q_proj,v_proj)")
@@ -59,7 +64,37 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace):
     from trainplan import config as C
 
+    split_positional(args)
     return C.load(args.config, args.set, settings_from_args(args))
+
+
+def split_positional(args: argparse.Namespace) -> None:
+    """`trainplan plan Llama-3.1-8B` or `plan ./my-model`: a positional argument that is not a
+    TOML config but names a model becomes --model. A TOML file is still a config."""
+    from pathlib import Path
+
+    from trainplan.errors import ConfigError, nearest
+    from trainplan.spec.model import preset_names
+
+    given = getattr(args, "config", None)
+    if given is None:
+        return
+    path = Path(given)
+    if path.suffix == ".toml":  # a config (a missing one is config.load's to report)
+        return
+    is_model = given in preset_names() or given == "default" or path.is_dir() or path.suffix in (".json", ".gguf")
+    if not is_model:
+        if path.is_file():  # a config without the .toml suffix
+            return
+        raise ConfigError(
+            "config",
+            f"{given!r} is neither a TOML file nor a model",
+            f"pass a TOML config, a model directory or a preset ({nearest(given, preset_names())}); "
+            "or name the model with --model",
+        )
+    if args.model is not None and args.model != given:
+        raise ConfigError("--model", f"two models given ({given!r} and {args.model!r})", "give one")
+    args.model, args.config = given, None
 
 
 def settings_from_args(args: argparse.Namespace) -> dict:

@@ -13,6 +13,7 @@ from trainplan.commands._common import (
     check_nproc,
     quiet_libraries,
     settings_from_args,
+    split_positional,
     warn,
 )
 from trainplan.errors import TrainplanError
@@ -73,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.overfit_steps < 2:
         raise TrainplanError("--overfit-steps: needs at least 2 steps to see the loss fall; e.g. 6")
     # the shipped demo config unless one is given; flags and --set override either
+    split_positional(args)
     cfg = load(args.config or accept.DEFAULT_CONFIG, args.set, settings_from_args(args))
     out = Path(args.output_dir)
     require_writable(out, "--output-dir")  # before any run: the reports must have somewhere to go
