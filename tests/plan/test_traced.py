@@ -283,6 +283,7 @@ def _tiny_arch(tmp_path, preset: str, **extra) -> str:
 
 # (preset, settings, phases that must agree within 0.3%): each row is a term the analytic plan
 # once missed on that architecture
+ALL = ("forward", "backward", "optimizer")
 ARCH_CASES = {
     "phi3-full": ("Phi-3-mini-4k", ["mode=full", "precision=fp32"], ("forward", "backward", "optimizer")),
     "phi3-full-amp": ("Phi-3-mini-4k", ["mode=full", "precision=amp-bf16"], ("forward", "optimizer")),
@@ -296,16 +297,17 @@ ARCH_CASES = {
         ["mode=full", "precision=fp32", "memory.attention=eager"],
         ("forward", "backward", "optimizer"),
     ),
-    "mixtral-full": ("Mixtral-8x7B", ["mode=full", "precision=bf16"], ("forward", "optimizer")),
-    "mixtral-full-amp": ("Mixtral-8x7B", ["mode=full", "precision=amp-bf16"], ("forward", "optimizer")),
-    "mixtral-lora": ("Mixtral-8x7B", ["mode=lora", "precision=bf16"], ("forward", "optimizer")),
+    "mixtral-full": ("Mixtral-8x7B", ["mode=full", "precision=bf16"], ALL),
+    "mixtral-full-amp": ("Mixtral-8x7B", ["mode=full", "precision=amp-bf16"], ALL),
+    "mixtral-lora": ("Mixtral-8x7B", ["mode=lora", "precision=bf16"], ALL),
+    "mixtral-lora-amp": ("Mixtral-8x7B", ["mode=lora", "precision=amp-bf16"], ALL),
     # a vocabulary large beside the layers (SmolLM2's): the embedding's backward is the backward peak
     "big-vocab-tied": ("tiny-llama", ["mode=full", "precision=amp-bf16"], ("forward", "backward", "optimizer")),
     "big-vocab-untied": ("tiny-llama", ["mode=full", "precision=fp32"], ("forward", "backward", "optimizer")),
     "mixtral-full-checkpointing": (
         "Mixtral-8x7B",
         ["mode=full", "precision=bf16", "memory.activation_checkpointing=true"],
-        ("forward", "optimizer"),
+        ALL,
     ),
 }
 

@@ -478,18 +478,42 @@ def activations(ctx: RankContext) -> ActTerm:
     )
 
 
+def moe_backward(ctx: RankContext) -> tuple[int, int, int]:
+    """One sparse MoE block's backward at its widest moment: (its saved tensors already released,
+    the temporaries held, the expert gradient formed before it). Three moments compete (counted on
+    the trace): the routing-weight multiply's backward, the act(gate) * up product's (the gradients of the product, of act(gate)
+    and of up: three rows x intermediate tensors), and the gate_up grouped matmul's (the gradient
+    of its output and of the gathered input, beside the gate_up weight's gradient being formed)."""
+    spec, xb, gb = ctx.spec, ctx.act.expert_bytes, ctx.prec.grad_bytes
+    rows, h, n = (spec.experts_per_token or 1) * ctx.tokens, spec.hidden_size, spec.num_experts
+    inter = spec.intermediate_size // ctx.tp
+    trains = ctx.full
+    # the routing-weight multiply: the fp32 gradient scattered back, and its two fp32 products (the
+    # routing weights' before it is summed over hidden), beside the down output's cast gradient
+    routing = (rows * 8, 3 * rows * h * 4 + rows * h * xb, 0)
+    # the routing-weight multiply, the scatter back and the down projection have run their backward
+    released = rows * h * xb + rows * 4 + rows * 8 + n * 4 + (rows * inter * xb if trains else 0)
+    formed = n * h * inter * gb if trains else 0  # the down projection's weight gradient
+    product = (released, 3 * rows * inter * xb, formed)
+    released += rows * inter * xb + rows * 2 * inter * xb  # then the product and the activation
+    gate_up = (released, rows * 2 * inter * xb + rows * h * xb + (n * 2 * inter * h * gb if trains else 0), formed)
+    return max(routing, product, gate_up, key=lambda m: m[1] + m[2] - m[0])
+
+
 def _first_layer_backward(ctx: RankContext, layer_in: int) -> int:
     # Backward through the first layer: its saved tensors (recomputed under checkpointing) plus the
     # gradients of the MLP's intermediates (d product, d act, d up, d gate), in the compute dtype.
     tokens, inter, cb = ctx.tokens, ctx.inter, ctx.cb
+    saved = A.total(A.layer_saved(ctx.spec, ctx.act, input_requires_grad=ctx.full))
+    if ctx.spec.num_experts:
+        released, temps, formed = moe_backward(ctx)
+        first_layer_bwd = saved - released + temps + formed + layer_in
+        if ctx.cfg.memory.activation_checkpointing and ctx.residual != 4:
+            first_layer_bwd += layer_in
+        return first_layer_bwd
     # By the time the MLP's input gradients are formed, down_proj's backward has released its input.
     down_in = tokens * inter * cb if ctx.full else 0
-    first_layer_bwd = (
-        A.total(A.layer_saved(ctx.spec, ctx.act, input_requires_grad=ctx.full))
-        - down_in
-        + 4 * tokens * inter * cb
-        + layer_in
-    )  # + the residual stream's gradient
+    first_layer_bwd = saved - down_in + 4 * tokens * inter * cb + layer_in  # + the residual stream's gradient
     if ctx.cfg.memory.activation_checkpointing and ctx.residual != 4:  # else the norm's fp32 input is the kept input
         first_layer_bwd += layer_in
     return first_layer_bwd
