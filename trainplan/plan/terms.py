@@ -481,9 +481,10 @@ def activations(ctx: RankContext) -> ActTerm:
 def moe_backward(ctx: RankContext) -> tuple[int, int, int]:
     """One sparse MoE block's backward at its widest moment: (its saved tensors already released,
     the temporaries held, the expert gradient formed before it). Three moments compete (counted on
-    the trace): the routing-weight multiply's backward, the act(gate) * up product's (the gradients of the product, of act(gate)
-    and of up: three rows x intermediate tensors), and the gate_up grouped matmul's (the gradient
-    of its output and of the gathered input, beside the gate_up weight's gradient being formed)."""
+    the trace): the routing-weight multiply's backward, the act(gate) * up product's (the
+    gradients of the product, of act(gate) and of up: three rows x intermediate tensors), and the
+    gate_up grouped matmul's (the gradient of its output and of the gathered input, beside the
+    gate_up weight's gradient being formed)."""
     spec, xb, gb = ctx.spec, ctx.act.expert_bytes, ctx.prec.grad_bytes
     rows, h, n = (spec.experts_per_token or 1) * ctx.tokens, spec.hidden_size, spec.num_experts
     inter = spec.intermediate_size // ctx.tp
