@@ -45,7 +45,8 @@ def cases() -> dict[str, dict]:
             settings["precision"] = "fp32"
         out[f"example:{path.stem}"] = {"config": str(path), "settings": settings}
     matrix, targets = _bench_matrix()
-    for _family, preset, mode, micro, seq, ac, gpus, strategy in matrix:
+    for _family, preset, mode, micro, seq, ac, gpus, strategy, *extra_settings in matrix:
+        attention, precision = (*extra_settings, None, None)[:2]
         settings = {
             "model.source": preset,
             "mode": mode,
@@ -54,11 +55,15 @@ def cases() -> dict[str, dict]:
             "memory.activation_checkpointing": ac,
             "hardware.gpus": gpus,
             "parallel.strategy": strategy,
-            "precision": "amp-bf16",
+            "precision": precision or "amp-bf16",
         }
+        if attention:
+            settings["memory.attention"] = attention
         if mode == "lora":
             settings["lora.target_modules"] = targets(preset).split(",")
-        out[f"bench:{preset}:{mode}:b{micro}:s{seq}:ac{int(ac)}:{gpus}:{strategy}"] = {"settings": settings}
+        name = f"bench:{preset}:{mode}:b{micro}:s{seq}:ac{int(ac)}:{gpus}:{strategy}"
+        name += "".join(f":{x}" for x in extra_settings if x)
+        out[name] = {"settings": settings}
     base = {"model.source": "Llama-3.1-8B", "batch.seq_len": 2048, "batch.micro_batch_size": 2}
     extra = {
         "zero1-adamw8bit": {"parallel.strategy": "zero1", "optim.name": "adamw-8bit", "hardware.gpus": "4xA100-80GB"},

@@ -286,6 +286,13 @@ def _experts_saved(spec: ModelSpec, ctx: ActContext) -> list[SavedTensor]:
 
 def layer_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bool = True) -> list[SavedTensor]:
     """Everything one decoder layer saves for backward during one micro-batch."""
+    if spec.layer_fit is not None:  # an architecture without hand-written terms (plan/derived.py)
+        return [
+            SavedTensor(
+                name="decoder layer (derived from a trace of 1 and 2 layers)",
+                nbytes=spec.layer_fit.nbytes(ctx.batch, ctx.seq),
+            )
+        ]
     return attention_saved(spec, ctx, input_requires_grad=input_requires_grad) + mlp_saved(spec, ctx)
 
 

@@ -268,7 +268,9 @@ def zero_model_state_bytes(*, params: int, dp: int, stage: int, k: int = 12, low
 
 
 def plan(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Ledger:
-    r = resolve(cfg, spec)
+    from trainplan.plan import derived
+
+    r = derived.attach(resolve(cfg, spec))
     cache: dict[tuple, DeviceLedger] = {}
     ledgers = []
     for rank, device in enumerate(r.devices):
@@ -352,6 +354,14 @@ def _notes(r: Resolved) -> list[str]:
         "Analytic estimate from closed-form terms (docs/memory-model.md); `trainplan trace` runs the real "
         "model on fake tensors for the exact figure.",
     ]
+    if r.spec.derived:
+        fit = r.spec.layer_fit
+        notes.append(
+            f"{r.spec.model_type} has no hand-written terms: each decoder layer's saved bytes are derived from a "
+            f"trace of the real module with 1 and 2 layers ({fit.a:,.0f} B per token + {fit.c:,.2f} B per b*s^2 + "
+            f"{fit.e:,.0f} B per position + {fit.d:,.0f} B), and the parameters from its own layout; the embedding, "
+            "head, loss and the backward moments are the hand-written terms of a Llama-style stack."
+        )
     if r.spec.learned_positions == 0 and b.seq_len > r.spec.max_position_embeddings:
         notes.append(
             f"seq_len {b.seq_len} exceeds the model's max_position_embeddings "

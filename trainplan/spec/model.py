@@ -79,6 +79,11 @@ class ModelSpec:
     embd_dropout: float = 0.0
     source: str = ""
     config: dict = field(default_factory=dict, compare=False, repr=False)  # transformers config.json
+    # An architecture without hand-written terms (plan/derived.py): its parameter layout as the real
+    # module lists it, and each decoder layer's saved bytes fitted from a trace of 1 and 2 layers.
+    derived: bool = False
+    layout: tuple = field(default=(), compare=False, repr=False)  # ((name, shape), ...)
+    layer_fit: object = field(default=None, compare=False, repr=False)  # plan.derived.LayerFit
 
     # ---- module layout -------------------------------------------------------------
     @property
@@ -187,6 +192,8 @@ class ModelSpec:
     @functools.cached_property
     def tensors(self) -> tuple[ParamTensor, ...]:
         """Every unique parameter tensor (a tied lm_head is not listed twice)."""
+        if self.layout:
+            return tuple(_from_layout(name, shape) for name, shape in self.layout)
         h, v = self.hidden_size, self.vocab_size
         gpt2 = self.model_type == "gpt2"
         emb = "transformer.wte.weight" if gpt2 else "model.embed_tokens.weight"
@@ -250,6 +257,33 @@ class ModelSpec:
 # ---- sources ---------------------------------------------------------------------------
 
 
+def _from_layout(name: str, shape) -> ParamTensor:
+    """A parameter of a derived architecture, its role read from transformers' naming."""
+    parts = name.split(".")
+    module = parts[-2] if len(parts) > 1 else parts[0]
+    layer = next(
+        (int(parts[i + 1]) for i, p in enumerate(parts[:-1]) if p == "layers" and parts[i + 1].isdigit()), None
+    )
+    shape = tuple(shape)
+    if "embed_tokens" in name:
+        role = "embedding"
+    elif name.startswith("lm_head"):
+        role = "lm_head"
+    elif len(shape) >= 3:
+        role = "expert"
+    elif len(shape) == 2:
+        role = "linear"
+    elif "norm" in module:
+        role = "norm"
+    else:
+        role = "bias"
+    return ParamTensor(name=name, module=module, shape=shape, layer=layer, role=role)
+
+
+# what a decoder-only config must say for its terms to be derived from a trace (plan/derived.py)
+DERIVABLE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
 def _req(cfg: dict, key: str, where: str) -> int:
     if key not in cfg or cfg[key] is None:
         raise ConfigError("model.source", f"{where}: {key} is missing", "the config.json must define it")
@@ -266,9 +300,16 @@ def from_hf_config(cfg: dict, *, name: str, where: str = "config.json") -> Model
     if not isinstance(cfg, dict):
         raise ConfigError("model.source", f"{where} is not a JSON object", "pass a transformers config.json")
     mt = cfg.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
+    derived = mt not in SUPPORTED_MODEL_TYPES
+    if derived and not (isinstance(mt, str) and mt and all(k in cfg for k in DERIVABLE_KEYS)):
         raise ConfigError(
-            "model.source", f"{where}: unsupported model_type {mt!r}", "supported: " + ", ".join(SUPPORTED_MODEL_TYPES)
+            "model.source",
+            f"{where}: unsupported model_type {mt!r}",
+            "hand-written terms exist for "
+            + ", ".join(SUPPORTED_MODEL_TYPES)
+            + "; a decoder-only config with "
+            + ", ".join(DERIVABLE_KEYS)
+            + " gets terms derived from a trace",
         )
     if mt == "gpt2":
         h = _req(cfg, "n_embd", where)
@@ -337,6 +378,7 @@ def from_hf_config(cfg: dict, *, name: str, where: str = "config.json") -> Model
         embd_dropout=cfg.get("embd_pdrop", 0.0) or 0.0,
         source=where,
         config=dict(cfg),
+        derived=derived,
     )
 
 

@@ -1,0 +1,190 @@
+"""Terms derived from a trace, for an architecture without hand-written ones (Qwen3, Gemma-3, the
+next ones).
+
+Everything that does not depend on a decoder layer's code stays analytic: weights, gradients and
+optimizer states come from the parameter layout the real module lists (built on the meta device),
+the embedding, head, loss and the phases around the step from the usual terms. What a decoder
+layer saves for backward is measured: the real transformers model is traced on fake tensors with
+1 and 2 layers at four (micro-batch, seq) points, and the difference (one layer) is fitted as
+
+    saved(b, s) = a * b * s + c * b * s^2 + e * s + d
+
+(per token; eager attention's scores; the rotary tables, which depend on the positions only; a
+constant). Four points determine the four coefficients exactly. The fit and the layout are cached
+per architecture and settings under the user cache, so a warm `plan` imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainplan.errors import ConfigError
+
+VERSION = 2  # bump when the traced step or the fit changes
+POINTS = ((1, 64), (2, 64), (1, 128), (2, 128))  # (micro-batch, seq)
+
+
+@dataclass(frozen=True)
+class LayerFit:
+    """One decoder layer's saved bytes: a * b * s + c * b * s^2 + e * s + d."""
+
+    a: float
+    c: float
+    e: float
+    d: float
+
+    def nbytes(self, batch: int, seq: int) -> int:
+        return max(0, round(self.a * batch * seq + self.c * batch * seq * seq + self.e * seq + self.d))
+
+    @classmethod
+    def from_points(cls, saved: dict[tuple[int, int], int]) -> LayerFit:
+        (b1, s1), (b2, _), (_, s2), _ = POINTS
+        assert (b2, s2) == (2 * b1, 2 * s1) and b1 == 1, POINTS  # the solution below assumes this grid
+        d11, d21, d12, d22 = (saved[p] for p in POINTS)
+        x, y = d21 - d11, d22 - d12  # a*s + c*s^2, 2a*s + 4c*s^2
+        c = (y - 2 * x) / (2 * s1 * s1)
+        a = (x - c * s1 * s1) / s1
+        e = (d12 - d11 - a * s1 - 3 * c * s1 * s1) / s1
+        d = d11 - a * s1 - c * s1 * s1 - e * s1
+        return cls(a=a, c=c, e=e, d=d)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TRAINPLAN_CACHE", "~/.cache/trainplan")).expanduser() / "derived"
+
+
+def _key(r) -> dict:
+    """What a decoder layer's saved tensors depend on (not the batch, seq, devices' count or the
+    optimizer): the architecture and the settings that change what autograd saves."""
+    cfg = r.cfg
+    return {
+        "version": VERSION,
+        "config": r.spec.config,
+        "mode": cfg.mode,
+        "precision": cfg.precision,
+        "attention": r.attention,
+        "lora": dataclasses.asdict(cfg.lora) if cfg.mode in ("lora", "qlora") else None,
+        "target": "cuda" if r.devices[0].is_gpu else "cpu",
+    }
+
+
+def attach(r):
+    """r with its spec's layout and layer fit filled in, from the cache or traced now."""
+    spec = r.spec
+    if not spec.derived or spec.layer_fit is not None:
+        return r
+    if r.dims.tp > 1 or r.dims.pp > 1:
+        raise ConfigError(
+            "parallel.tp",
+            f"{spec.model_type} has no hand-written terms, and derived ones cover data parallelism only",
+            "plan it with tp = 1 and pp = 1",
+        )
+    key = _key(r)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    path = cache_dir() / f"{spec.model_type}-{digest}.json"
+    entry = _read(path)
+    if entry is None:
+        entry = _derive(r)
+        _write(path, {**entry, "key": key})
+    fit = LayerFit(**entry["fit"])
+    layout = tuple((name, tuple(shape)) for name, shape in entry["layout"])
+    spec = dataclasses.replace(spec, layer_fit=fit, layout=layout)
+    return dataclasses.replace(r, spec=spec)
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        entry = json.loads(path.read_text())
+        LayerFit(**entry["fit"])
+        return entry if isinstance(entry["layout"], list) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent or damaged: derive again
+
+
+def _write(path: Path, entry: dict) -> None:
+    from trainplan.files import write_atomic
+
+    try:
+        write_atomic(path, json.dumps(entry))
+    except OSError:
+        pass  # an unwritable cache costs the next plan a trace, nothing else
+
+
+def _derive(r) -> dict:
+    """Trace 1- and 2-layer versions of the real model at the four points. One layer's saved bytes
+    are the difference at the end of forward (the loss and the rest are common to both).
+    Autocast's cached casts of a layer's weights (full) or adapters (LoRA) are the plan's own
+    components (weight copies, adapter copy): taken out here. Under LoRA the first layer saves
+    less than the others (its input needs no gradient) but is planned like them: an overestimate
+    of one layer's difference, never an underestimate (a model of no layers cannot carry adapters,
+    so there is nothing to trace it against)."""
+    import torch
+    import transformers
+
+    from trainplan import resolve as R
+    from trainplan.plan import traced
+    from trainplan.run import build
+
+    spec, cfg = r.spec, r.cfg
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(build.hf_config(spec, cfg))
+    layout = [[name, list(p.shape)] for name, p in model.named_parameters()]  # a tied head once
+    casts = _layer_casts(r, layout)
+    layer = {}
+    for point in POINTS:
+        forward = {}
+        for depth in (1, 2):
+            reduced = dataclasses.replace(
+                cfg,
+                model=dataclasses.replace(cfg.model, init="random"),
+                batch=dataclasses.replace(
+                    cfg.batch, micro_batch_size=point[0], seq_len=point[1], grad_accum_steps=1, global_batch_size=None
+                ),
+                memory=dataclasses.replace(cfg.memory, activation_checkpointing=False),
+                parallel=dataclasses.replace(cfg.parallel, strategy="ddp", tp=1, pp=1, offload_optimizer=False),
+                hardware=dataclasses.replace(cfg.hardware, gpus=r.devices[0].name if r.devices[0].is_gpu else "cpu"),
+            )
+            shallow = dataclasses.replace(spec, num_layers=depth, config=_with_layers(spec.config, depth))
+            phases = traced._traced_step(R.resolve(reduced, shallow), real=False, target=_target(r), world=1)[0]
+            raw = phases["forward"]
+            forward[depth] = raw.get("activations", 0) + raw.get("inputs", 0)
+        layer[point] = forward[2] - forward[1] - casts
+    return {
+        "fit": dataclasses.asdict(LayerFit.from_points(layer)),
+        "layout": layout,
+        "points": {f"{b}x{s}": layer[(b, s)] for b, s in POINTS},
+    }
+
+
+def _layer_casts(r, layout: list) -> int:
+    """Bytes of autocast's cached casts for one decoder layer: its trainable matmul weights (full
+    fine-tuning) or its adapters (LoRA), each cast once to the compute dtype."""
+    cfg, prec = r.cfg, r.precision
+    if not prec.autocast or cfg.mode == "inference":
+        return 0
+    from trainplan.spec.model import _from_layout
+
+    one = [_from_layout(name, shape) for name, shape in layout]
+    one = [t for t in one if t.layer == 0]
+    if cfg.mode == "full":
+        return sum(t.numel for t in one if t.role in ("linear", "bias")) * prec.compute_bytes
+    targets = set(cfg.lora.target_modules)
+    adapters = sum(cfg.lora.r * (t.shape[0] + t.shape[1]) for t in one if t.role == "linear" and t.module in targets)
+    return adapters * prec.compute_bytes
+
+
+def _target(r) -> str:
+    return "cuda" if r.devices[0].is_gpu else "cpu"
+
+
+def _with_layers(config: dict, depth: int) -> dict:
+    """The config with `depth` decoder layers; per-layer lists (Gemma-3's layer_types) cut to match."""
+    n = config["num_hidden_layers"]
+    out = {k: ((v * depth)[:depth] if isinstance(v, list) and len(v) == n else v) for k, v in config.items()}
+    out["num_hidden_layers"] = depth
+    return out
