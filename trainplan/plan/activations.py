@@ -186,12 +186,23 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
                 SavedTensor(name="attn.dropout output", nbytes=scores * cb, note="s^2 term"),
             ]
     else:
+        # On CUDA, flash attention takes 16-bit inputs with head_dim <= 256 and handles grouped
+        # K/V itself; otherwise memory-efficient attention runs, which wants K and V repeated to
+        # every head (saved so) and pads its logsumexp to a multiple of 32 positions.
+        efficient = not ctx.cpu and (qk_bytes == FP32 or spec.head_dim > 256)
+        kv_saved = q_dim if efficient else kv_dim
+        if efficient and kv_dim != q_dim:
+            value_saved = SavedTensor(name="sdpa.value (repeated to all heads)", nbytes=t * q_dim * cb)
+        lse_positions = -(-ctx.seq // 32) * 32 if efficient else ctx.seq
         out += [
             SavedTensor(name="sdpa.query", nbytes=t * q_dim * qk_bytes),
-            SavedTensor(name="sdpa.key", nbytes=t * kv_dim * qk_bytes),
+            SavedTensor(
+                name="sdpa.key" + (" (repeated to all heads)" if kv_saved != kv_dim else ""),
+                nbytes=t * kv_saved * qk_bytes,
+            ),
             value_saved,
             SavedTensor(name="sdpa.output", nbytes=t * q_dim * cb),
-            SavedTensor(name="sdpa.logsumexp (fp32)", nbytes=ctx.batch * heads * ctx.seq * FP32),
+            SavedTensor(name="sdpa.logsumexp (fp32)", nbytes=ctx.batch * heads * lse_positions * FP32),
         ]
     o_name = "c_proj" if spec.model_type == "gpt2" else "o_proj"
     # SDPA returns its output laid out (b, s, heads, d): the transpose + reshape feeding o_proj
