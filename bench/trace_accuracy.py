@@ -134,6 +134,29 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def rows_from_table(path: Path) -> list[tuple[str, float]]:
+    """(preset, (analytic - traced) / traced) of each traced row of a table this script wrote."""
+    out = []
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 10 and "%" in cells[9]:
+            out.append((cells[1], float(cells[9].split("%")[0]) / 100))
+    return out
+
+
+def write_bands(rows: list[tuple[str, float]], path: Path, source: str) -> None:
+    """Per architecture (model_type), the worst under-prediction: max(0, -(analytic - traced) / traced)."""
+    from trainplan.spec.model import load_model_spec
+
+    bands: dict[str, float] = {}
+    for preset, diff in rows:
+        model_type = load_model_spec(preset).model_type
+        bands[model_type] = max(bands.get(model_type, 0.0), round(max(0.0, -diff), 4))
+    text = json.dumps({"source": f"{source} ({time.strftime('%Y-%m-%d')})", "bands": bands}, indent=1)
+    path.write_text(text + "\n")
+    print(f"bands: {bands} -> {path}")
+
+
 def _torch_version() -> str:
     import torch
 
@@ -145,7 +168,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="6 rows instead of the full matrix")
     ap.add_argument("--out", help="write the Markdown table here")
     ap.add_argument("--family", action="append", help="only these families' rows (repeatable)")
+    ap.add_argument(
+        "--bands", help="write each architecture's worst under-prediction here (trainplan/plan/accuracy.json)"
+    )
+    ap.add_argument("--from-table", help="take the rows from this Markdown table (a previous --out) instead of tracing")
     args = ap.parse_args()
+    if args.from_table:
+        write_bands(rows_from_table(Path(args.from_table)), Path(args.bands), args.from_table)
+        return
     rows = [MATRIX[i] for i in QUICK] if args.quick else MATRIX
     rows = [r for r in rows if not args.family or r[0] in args.family]
     results = []
@@ -164,6 +194,8 @@ def main() -> None:
         f"max RSS {max(r['rss'] for r in ok) / 2**20:.0f} MiB"
     )
     print("\n" + text + "\n\n" + summary)
+    if args.bands:
+        write_bands([(r["row"][1], r["diff"]) for r in ok], Path(args.bands), "bench/trace_accuracy.py")
     if args.out:
         header = (
             "# Analytic vs traced peak per device\n\n"

@@ -248,3 +248,25 @@ def test_optimizer_choices_change_the_states(make_cfg):
     assert opt("sgd-momentum") == 4 * n
     assert opt("adamw-8bit") == pytest.approx(2 * n, rel=0.02)
     assert opt("adafactor") < n / 100  # factored second moment only
+
+
+def test_the_verdict_keeps_the_plans_known_error_free_and_says_so():
+    """A bill that fits only without the architecture's error band does not fit, and the verdict
+    names the margin and where it comes from (bench/trace_accuracy.py's rows)."""
+    import dataclasses
+
+    from trainplan import config as C
+    from trainplan.plan import accuracy
+
+    cfg = C.load(None, ["model.source=Llama-3.1-8B", "mode=lora", "hardware.gpus=H100-80GB"])
+    led = plan(cfg)
+    dev = led.devices[0]
+    band, source = accuracy.band("llama", derived=False)
+    assert dev.error_band == band > 0 and "llama rows" in source
+    assert dev.headroom_bytes == dev.usable_bytes - dev.total_bytes - dev.error_margin_bytes
+    assert "margin" in led.verdict() and f"{band:.2%}" in led.verdict()
+    # capacity between the bill and the bill plus its margin: fits only if the margin is ignored
+    capacity = int((dev.total_bytes + dev.error_margin_bytes // 2) / (1 - dev.safety_margin)) + 1
+    tight = dataclasses.replace(dev, device=dataclasses.replace(dev.device, capacity_bytes=capacity))
+    assert tight.usable_bytes >= tight.total_bytes and not tight.fits
+    assert accuracy.band("a-new-type", derived=True)[0] >= accuracy.DERIVED_MIN_BAND

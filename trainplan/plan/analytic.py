@@ -147,7 +147,10 @@ def _role(dims: ParallelDims, rank: int) -> str:
 def _device_ledger(
     r: Resolved, rank: int, phases: dict, runtime: int, explain: dict, details: dict, *, offload_bytes: int = 0
 ) -> DeviceLedger:
+    from trainplan.plan import accuracy
+
     device = r.devices[rank]
+    band, band_source = accuracy.band(r.spec.model_type, derived=r.spec.derived)
     led = DeviceLedger(
         label=_label(device, rank),
         device=device,
@@ -160,6 +163,8 @@ def _device_ledger(
         details=details,
         ranks=[rank],
         offload_bytes=offload_bytes,
+        error_band=band,
+        error_band_source=band_source,
     )
     _runtime_explain(led, r.cfg)
     return led

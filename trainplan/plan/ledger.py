@@ -6,6 +6,7 @@ measurement line up row by row.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from trainplan.spec.devices import DeviceSpec, GiB, format_gib
@@ -56,6 +57,10 @@ class DeviceLedger:
     details: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
     ranks: list[int] = field(default_factory=list)
     offload_bytes: int = 0  # what this rank keeps in host memory (optimizer offload)
+    # The plan's known under-prediction for this architecture, a fraction of the peak (plan/accuracy.py):
+    # kept free on top of the bill before the verdict says it fits.
+    error_band: float = 0.0
+    error_band_source: str = ""
 
     def phase_total(self, phase: str) -> int:
         return sum(self.phases[phase].values())
@@ -89,8 +94,12 @@ class DeviceLedger:
         return int(self.device.capacity_bytes * (1 - self.safety_margin))
 
     @property
+    def error_margin_bytes(self) -> int:
+        return math.ceil(self.error_band * self.peak_allocated)
+
+    @property
     def headroom_bytes(self) -> int:
-        return self.usable_bytes - self.total_bytes
+        return self.usable_bytes - self.total_bytes - self.error_margin_bytes
 
     @property
     def fits(self) -> bool:
@@ -125,6 +134,8 @@ class DeviceLedger:
             "peak_phase": self.peak_phase,
             "peak_allocated_bytes": self.peak_allocated,
             "total_bytes": self.total_bytes,
+            "error_band": self.error_band,
+            "error_margin_bytes": self.error_margin_bytes,
             "headroom_bytes": self.headroom_bytes,
             "fits": self.fits,
             "largest_component": self.largest_component,
@@ -164,7 +175,7 @@ class Ledger:
             tight = min(self.all_ledgers, key=lambda d: d.headroom_bytes)
             return (
                 f"FITS on every device; least headroom {gib(tight.headroom_bytes)} on {tight.label} "
-                f"({tight.device.name}) at the {tight.peak_phase} peak"
+                f"({tight.device.name}) at the {tight.peak_phase} peak" + _band_text(tight)
             )
         parts = []
         for d in bad:
@@ -173,8 +184,8 @@ class Ledger:
             label = d.label + (f" and {alike} alike" if alike else "")
             parts.append(
                 f"{label} ({d.device.name}, {gib(d.usable_bytes)} usable) needs "
-                f"{gib(d.total_bytes)} at the {d.peak_phase} peak, over by {gib(-d.headroom_bytes)}; "
-                f"largest component {comp} {gib(d.components[comp])}"
+                f"{gib(d.total_bytes)} at the {d.peak_phase} peak, over by {gib(-d.headroom_bytes)}"
+                f"{_band_text(d)}; largest component {comp} {gib(d.components[comp])}"
             )
         text = "DOES NOT FIT: " + "; ".join(parts[:3]) + (f"; and {len(parts) - 3} more" if len(parts) > 3 else "")
         capacity = sum(d.usable_bytes for d in self.devices)
@@ -211,6 +222,14 @@ class Ledger:
             },
             "notes": self.notes,
         }
+
+
+def _band_text(d: DeviceLedger) -> str:
+    if not d.error_band:
+        return ""
+    return (
+        f", after a {gib(d.error_margin_bytes)} margin ({d.error_band:.2%} of the peak: {d.error_band_source})"
+    )
 
 
 def gib(n: int) -> str:

@@ -255,7 +255,9 @@ def traced_ledger(result: TraceResult, r: resolve.Resolved, analytic_ledger: Led
     """The traced bill as a Ledger (runtime and allocator reserve from the analytic settings)."""
     devices = []
     for proto in analytic_ledger.devices:
-        device = dataclasses.replace(proto, phases=_whole_run(proto.phases, result.phases), explain={}, details={})
+        device = dataclasses.replace(  # the traced step is the figure itself: no error band on it
+            proto, phases=_whole_run(proto.phases, result.phases), explain={}, details={}, error_band=0.0
+        )
         device.explain.update(_why(device, proto))
         devices.append(device)
     return Ledger(
