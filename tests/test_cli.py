@@ -214,3 +214,26 @@ def test_a_positional_model_is_the_model(tmp_path, capsys):
     assert "neither a TOML file nor a model" in err and "'Llama-3.1-8B'" in err and "--model" in err
     assert cli.main(["plan", "Llama-3.1-8B", "--model", "GPT-2"]) == 2
     assert "two models given" in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_ends_the_output_quietly(monkeypatch, capsys):
+    """`trainplan plan --markdown | head`: the pipe closes; no error line, no traceback, exit 141."""
+
+    class Closed:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("sys.stdout", Closed())
+    assert cli.main(["plan", "--markdown"]) == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_version(capsys):
+    from trainplan import __version__
+
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"trainplan {__version__}"

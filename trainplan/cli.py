@@ -38,7 +38,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from trainplan import __version__
+
     parser = Parser(prog="trainplan", description="Plan, run and verify LLM fine-tuning.")
+    parser.add_argument("--version", action="version", version=f"trainplan {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         module = command(name)
@@ -64,6 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training loop
         print(f"trainplan {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `trainplan plan --markdown | head`: the reader left; end quietly, as `yes | head` does
+        import os
+
+        try:  # Python's own final flush of stdout must not fail too
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 128 + 13  # SIGPIPE
     except (OSError, UnicodeDecodeError) as e:  # a path the user named: missing, unreadable, full, not text
         print(f"trainplan {args.command}: error: {os_error_text(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
