@@ -227,9 +227,7 @@ class Ledger:
 def _band_text(d: DeviceLedger) -> str:
     if not d.error_band:
         return ""
-    return (
-        f", after a {gib(d.error_margin_bytes)} margin ({d.error_band:.2%} of the peak: {d.error_band_source})"
-    )
+    return f", after a {gib(d.error_margin_bytes)} margin ({d.error_band:.2%} of the peak: {d.error_band_source})"
 
 
 def gib(n: int) -> str:
