@@ -28,7 +28,7 @@ def main() -> None:
     from trainplan import _torch_private as P
     from trainplan import config as C
     from trainplan.plan import analytic
-    from trainplan.plan import traced as T
+    from trainplan.plan import tracestep as T
     from trainplan.resolve import resolve
     from trainplan.run import build, measure, step
 
@@ -69,9 +69,9 @@ def main() -> None:
     micro_batches = [{"input_ids": ids, "labels": ids.clone()}]
     tracker = P.StorageTracker()
     tracker.track(model, optimizer, [ids, micro_batches[0]["labels"]])
-    peaks = T._PhasePeaks(tracker)
+    peaks = T.PhasePeaks(tracker)
     tokens = args.micro_batch * (args.seq - 1)
-    T._two_steps(r, model, optimizer, micro_batches, tokens, peaks, contextlib.nullcontext())
+    T.two_steps(r, model, optimizer, micro_batches, tokens, peaks, contextlib.nullcontext())
     adapter = sum(measure.local_nbytes(p) for p in model.parameters() if p.requires_grad)
     states = sum(
         measure.local_nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)

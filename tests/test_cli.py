@@ -237,3 +237,20 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         cli.build_parser().parse_args(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"trainplan {__version__}"
+
+
+def test_settings_lists_every_key_and_each_default_round_trips(capsys):
+    """`trainplan settings` names every config field; each default, written back with --set,
+    loads to the default config (so the listing is the config, not a copy of it)."""
+    from trainplan import config as C
+    from trainplan.commands import settings
+
+    assert cli.main(["settings", "--json"]) == 0
+    table = json.loads(capsys.readouterr().out)
+    keys = [r["key"] for r in table]
+    expected = list(C._TOP_KEYS) + [f"{s}.{f}" for s, cls in C._SECTION_TYPES.items() for f in cls.__dataclass_fields__]
+    assert keys == expected
+    sets = [f"{r['key']}={C.toml_literal(r['default'])}" for r in table if r["default"] is not None]
+    assert C.load(None, sets) == C.RunConfig()
+    flags = {r["key"]: r["flag"] for r in settings.rows()}
+    assert flags["optim.lr"] == "--lr" and flags["lora.target_modules"] == "--lora-targets"

@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "runs": "runs",
     "trace": "trace",
     "devices": "devices",
+    "settings": "settings",
 }
 
 

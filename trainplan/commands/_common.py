@@ -33,6 +33,8 @@ CONFIG_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--optimizer", "optim.name", {"help": "adamw | adamw-8bit | sgd | sgd-momentum | adafactor"}),
     ("--attention", "memory.attention", {"help": "auto | sdpa | eager"}),
     ("--lora-r", "lora.r", {"type": int, "help": "LoRA rank"}),
+    ("--lora-alpha", "lora.alpha", {"type": float, "help": "LoRA alpha (scaling alpha / r)"}),
+    ("--lr", "optim.lr", {"type": float, "help": "peak learning rate"}),
 )
 SWITCHES = (
     ("--checkpointing", "memory.activation_checkpointing", "activation checkpointing on every layer"),

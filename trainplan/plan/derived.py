@@ -127,7 +127,7 @@ def _derive(r) -> dict:
     import transformers
 
     from trainplan import resolve as R
-    from trainplan.plan import traced
+    from trainplan.plan import tracestep
     from trainplan.run import build
 
     spec, cfg = r.spec, r.cfg
@@ -150,7 +150,7 @@ def _derive(r) -> dict:
                 hardware=dataclasses.replace(cfg.hardware, gpus=r.devices[0].name if r.devices[0].is_gpu else "cpu"),
             )
             shallow = dataclasses.replace(spec, num_layers=depth, config=_with_layers(spec.config, depth))
-            phases = traced._traced_step(R.resolve(reduced, shallow), real=False, target=_target(r), world=1)[0]
+            phases = tracestep.traced_step(R.resolve(reduced, shallow), real=False, target=_target(r), world=1)[0]
             raw = phases["forward"]
             forward[depth] = raw.get("activations", 0) + raw.get("inputs", 0)
         layer[point] = forward[2] - forward[1] - casts

@@ -11,7 +11,6 @@ arithmetic; the output says which rows were traced and which derived.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
@@ -23,6 +22,7 @@ from trainplan.errors import TrainplanError
 from trainplan.plan import analytic
 from trainplan.plan.analytic import ZERO2_BUCKET_BYTES
 from trainplan.plan.ledger import GROUPS, Ledger
+from trainplan.plan.tracestep import traced_step
 from trainplan.spec.model import ModelSpec
 
 
@@ -63,79 +63,6 @@ def _check_traceable(r: resolve.Resolved) -> None:
         )
 
 
-class _PhasePeaks:
-    """The tracker's categories at each phase's peak, recorded on the measured (second) step."""
-
-    def __init__(self, tracker) -> None:
-        self.tracker = tracker
-        self.phases: dict[str, dict[str, int]] = {}
-        self.current: str | None = None
-        self.measuring = False
-
-    def on_phase(self, name: str) -> None:
-        if self.current is not None and self.measuring:
-            snap = self.tracker.peak_by_category()
-            old = self.phases.get(self.current)
-            if old is None or sum(snap.values()) > sum(old.values()):
-                self.phases[self.current] = snap
-        self.tracker.reset_peak()
-        self.current = None if name == "end" else name
-
-
-def _two_steps(r: resolve.Resolved, model, optimizer, micro_batches, tokens: int, peaks: _PhasePeaks, kernels):
-    """A warm-up step (it creates the optimizer state; activation checkpointing's first peak is
-    spurious), then the measured one, through the engine's own step."""
-    from trainplan import _torch_private as P
-    from trainplan.run import step
-
-    settings = step.StepSettings(prec=r.precision, device_type="cpu")
-    hooks = step.StepHooks(on_phase=peaks.on_phase)
-    with peaks.tracker, P.unpacked_sequences(), kernels:
-        for iteration in range(2):
-            peaks.measuring = iteration == 1
-            if r.cfg.mode == "inference":
-                step.eval_forward(model, micro_batches[0], prec=r.precision, device_type="cpu", on_phase=peaks.on_phase)
-            else:
-                step.train_step(model, step.Update(optimizer), micro_batches, settings, token_count=tokens, hooks=hooks)
-
-
-def _traced_step(r: resolve.Resolved, *, real: bool, target: str, world: int, mesh=None):
-    """Build the model as the engine does, then trace two steps: (phase peaks, adapter bytes,
-    optimizer state bytes, trainable shapes)."""
-    import torch
-
-    from trainplan import _torch_private as P
-    from trainplan.run import build, measure, step
-
-    cfg, dims, prec, batch = r.cfg, r.dims, r.precision, r.batch
-    micro_steps = min(batch.grad_accum_steps, 2)  # the second micro-batch sees accumulated grads
-    model = build.build_model(r.spec, cfg, prec, dims=dims if mesh is not None else None, mesh=mesh)
-    with contextlib.nullcontext() if real else P.fake_mode() as fake, P.grouped_mm_any_dtype():
-        if real:
-            torch.manual_seed(0)
-            build.materialize(model, "cpu")
-        else:
-            build.allocate(model, "cpu")
-        ids = torch.randint(0, r.spec.vocab_size, (batch.micro_batch_size, batch.seq_len))
-        # labels are their own tensor, as in training (prompt tokens masked with -100)
-        micro_batches = [{"input_ids": ids, "labels": ids.clone()} for _ in range(micro_steps)]
-        optimizer = None
-        if cfg.mode != "inference":
-            o = cfg.optim
-            optimizer = step.build_optimizer(model, o.name, o.implementation, o.lr, o.weight_decay, target)
-        tracker = P.StorageTracker(fake)
-        tracker.track(model, optimizer, [t for mb in micro_batches for t in mb.values()])
-        tokens = micro_steps * batch.micro_batch_size * (batch.seq_len - 1) * world
-        peaks = _PhasePeaks(tracker)
-        kernels = P.cuda_kernels() if target == "cuda" and not real else contextlib.nullcontext()
-        _two_steps(r, model, optimizer, micro_batches, tokens, peaks, kernels)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        adapter_params = sum(measure.local_nbytes(p) for p in trainable) if cfg.mode == "lora" else 0
-        opt_state = [t for s in optimizer.state.values() for t in s.values()] if optimizer is not None else []
-        states = sum(measure.local_nbytes(t) for t in opt_state if isinstance(t, torch.Tensor))
-    return peaks.phases, adapter_params, states, [tuple(p.shape) for p in trainable], micro_steps
-
-
 def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) -> tuple[TraceResult, resolve.Resolved]:
     """Trace one warm-up and one measured step on fake tensors; per-phase peaks of the measured one.
 
@@ -160,11 +87,11 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
 
         with P.fake_process_group(world):
             mesh = init_device_mesh("cpu", (world,))
-            phases, adapter_params, states, shapes, micro_steps = _traced_step(
+            phases, adapter_params, states, shapes, micro_steps = traced_step(
                 r, real=real, target=target, world=world, mesh=mesh
             )
     else:
-        phases, adapter_params, states, shapes, micro_steps = _traced_step(r, real=real, target=target, world=world)
+        phases, adapter_params, states, shapes, micro_steps = traced_step(r, real=real, target=target, world=world)
 
     lora = cfg.mode == "lora"
     comps = {

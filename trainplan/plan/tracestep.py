@@ -1,0 +1,82 @@
+"""One engine step on fake tensors, its peak memory recorded phase by phase: what `trainplan trace`
+(plan/traced.py) and the derived terms (plan/derived.py) both measure. The model comes from
+run/build.py and the step from run/step.py, the code `train` runs."""
+
+from __future__ import annotations
+
+import contextlib
+
+from trainplan import resolve
+
+
+class PhasePeaks:
+    """The tracker's categories at each phase's peak, recorded on the measured (second) step."""
+
+    def __init__(self, tracker) -> None:
+        self.tracker = tracker
+        self.phases: dict[str, dict[str, int]] = {}
+        self.current: str | None = None
+        self.measuring = False
+
+    def on_phase(self, name: str) -> None:
+        if self.current is not None and self.measuring:
+            snap = self.tracker.peak_by_category()
+            old = self.phases.get(self.current)
+            if old is None or sum(snap.values()) > sum(old.values()):
+                self.phases[self.current] = snap
+        self.tracker.reset_peak()
+        self.current = None if name == "end" else name
+
+
+def two_steps(r: resolve.Resolved, model, optimizer, micro_batches, tokens: int, peaks: PhasePeaks, kernels):
+    """A warm-up step (it creates the optimizer state; activation checkpointing's first peak is
+    spurious), then the measured one, through the engine's own step."""
+    from trainplan import _torch_private as P
+    from trainplan.run import step
+
+    settings = step.StepSettings(prec=r.precision, device_type="cpu")
+    hooks = step.StepHooks(on_phase=peaks.on_phase)
+    with peaks.tracker, P.unpacked_sequences(), kernels:
+        for iteration in range(2):
+            peaks.measuring = iteration == 1
+            if r.cfg.mode == "inference":
+                step.eval_forward(model, micro_batches[0], prec=r.precision, device_type="cpu", on_phase=peaks.on_phase)
+            else:
+                step.train_step(model, step.Update(optimizer), micro_batches, settings, token_count=tokens, hooks=hooks)
+
+
+def traced_step(r: resolve.Resolved, *, real: bool, target: str, world: int, mesh=None):
+    """Build the model as the engine does, then trace two steps: (phase peaks, adapter bytes,
+    optimizer state bytes, trainable shapes)."""
+    import torch
+
+    from trainplan import _torch_private as P
+    from trainplan.run import build, measure, step
+
+    cfg, dims, prec, batch = r.cfg, r.dims, r.precision, r.batch
+    micro_steps = min(batch.grad_accum_steps, 2)  # the second micro-batch sees accumulated grads
+    model = build.build_model(r.spec, cfg, prec, dims=dims if mesh is not None else None, mesh=mesh)
+    with contextlib.nullcontext() if real else P.fake_mode() as fake, P.grouped_mm_any_dtype():
+        if real:
+            torch.manual_seed(0)
+            build.materialize(model, "cpu")
+        else:
+            build.allocate(model, "cpu")
+        ids = torch.randint(0, r.spec.vocab_size, (batch.micro_batch_size, batch.seq_len))
+        # labels are their own tensor, as in training (prompt tokens masked with -100)
+        micro_batches = [{"input_ids": ids, "labels": ids.clone()} for _ in range(micro_steps)]
+        optimizer = None
+        if cfg.mode != "inference":
+            o = cfg.optim
+            optimizer = step.build_optimizer(model, o.name, o.implementation, o.lr, o.weight_decay, target)
+        tracker = P.StorageTracker(fake)
+        tracker.track(model, optimizer, [t for mb in micro_batches for t in mb.values()])
+        tokens = micro_steps * batch.micro_batch_size * (batch.seq_len - 1) * world
+        peaks = PhasePeaks(tracker)
+        kernels = P.cuda_kernels() if target == "cuda" and not real else contextlib.nullcontext()
+        two_steps(r, model, optimizer, micro_batches, tokens, peaks, kernels)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        adapter_params = sum(measure.local_nbytes(p) for p in trainable) if cfg.mode == "lora" else 0
+        opt_state = [t for s in optimizer.state.values() for t in s.values()] if optimizer is not None else []
+        states = sum(measure.local_nbytes(t) for t in opt_state if isinstance(t, torch.Tensor))
+    return peaks.phases, adapter_params, states, [tuple(p.shape) for p in trainable], micro_steps
