@@ -143,11 +143,6 @@ def _decomposable(func) -> bool:
         return False
 
 
-def _storage(t: torch.Tensor):
-    local = t._local_tensor if hasattr(t, "_local_tensor") else t
-    return local.untyped_storage()
-
-
 def ddp_bucket_bytes(model: torch.nn.Module) -> int:
     """Bytes of DDP's gradient buckets (gradient_as_bucket_view): allocated in the C++ reducer,
     they hold the gradients between steps while every p.grad is None, so no dispatch mode sees
@@ -213,12 +208,12 @@ class StorageTracker(TorchDispatchMode):
     def _add(self, t: torch.Tensor, category: str) -> None:
         local = t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor reports its mesh's device
         ours = self.fake is not None and getattr(local, "fake_mode", None) is self.fake
-        if local.untyped_storage().device.type == "meta" and not ours:
+        st = local.untyped_storage()
+        if st.device.type == "meta" and not ours:
             # no memory: a model built on meta, or the fake tensors DTensor's sharding propagation
             # makes for itself (they report the fake device). Only the traced plan's own fake
             # tensors (self.fake) stand for memory.
             return
-        st = _storage(t)
         key = id(st)
         entry = self._live.get(key)
         if entry is not None:

@@ -99,7 +99,7 @@ def test_a_warm_plan_reads_the_cache_and_imports_no_torch(tmp_path):
     )
     settings = _cfg(source, "hardware.gpus=H100-80GB", "batch.seq_len=256", "batch.micro_batch_size=1")
     analytic.plan(settings)
-    (entry,) = derived.cache_dir().glob("qwen3-*.json")  # written by the cold plan
+    (entry,) = derived.cache_dir(settings.model.cache_dir).glob("qwen3-*.json")  # written by the cold plan
     t0 = time.perf_counter()
     warm = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert warm.returncode == 0, warm.stderr[-2000:]

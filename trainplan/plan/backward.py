@@ -114,7 +114,6 @@ def _top_layer_mlp_backward(
         or (t.layer == top and ".mlp." in t.name and t.module in ("down_proj", "c_proj"))
     ]
     formed_bytes = sum(_sharded_numel(t, ctx.tp, ctx.shard_g) for t in formed) * ctx.prec.grad_bytes
-    norms_bytes = sum(_sharded_numel(t, ctx.tp, ctx.shard_g) for t in formed if t.role == "norm") * ctx.prec.grad_bytes
     top_down_in = tokens * inter * cb if ctx.full else 0
     top_layer = dict(end)
     top_layer["gradients"] = grads.live_fwd if ctx.persistent_grads and ctx.full else grads.head + formed_bytes
@@ -129,11 +128,11 @@ def _top_layer_mlp_backward(
     top_layer["activations"] = (
         ctx.in_flight * (acts.saved_layers + acts.step_inputs) - top_down_in + 3 * tokens * inter * cb + acts.layer_in
     )
-    if ctx.spec.num_experts:  # the MoE block's own widest moment (its gate_up backward)
-        released, temps, formed = moe_backward(ctx)
+    if ctx.spec.num_experts:  # the MoE block's own widest moment (no down_proj module: `formed` holds norms only)
+        released, temps, expert_grad = moe_backward(ctx)
         top_layer["activations"] = ctx.in_flight * (acts.saved_layers + acts.step_inputs) - released + temps
         top_layer["activations"] += acts.layer_in
-        top_layer["gradients"] += formed - (formed_bytes - norms_bytes)
+        top_layer["gradients"] += expert_grad
     return top_layer
 
 

@@ -54,8 +54,9 @@ class LayerFit:
         return cls(a=a, c=c, e=e, d=d)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("TRAINPLAN_CACHE", "~/.cache/trainplan")).expanduser() / "derived"
+def cache_dir(base: str) -> Path:
+    """Under model.cache_dir (the GGUF conversions' cache too), or $TRAINPLAN_CACHE."""
+    return Path(os.environ.get("TRAINPLAN_CACHE") or base).expanduser() / "derived"
 
 
 def _key(r) -> dict:
@@ -69,7 +70,7 @@ def _key(r) -> dict:
         "precision": cfg.precision,
         "attention": r.attention,
         "lora": dataclasses.asdict(cfg.lora) if cfg.mode in ("lora", "qlora") else None,
-        "target": "cuda" if r.devices[0].is_gpu else "cpu",
+        "target": _target(r),
     }
 
 
@@ -86,7 +87,7 @@ def attach(r):
         )
     key = _key(r)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    path = cache_dir() / f"{spec.model_type}-{digest}.json"
+    path = cache_dir(r.cfg.model.cache_dir) / f"{spec.model_type}-{digest}.json"
     entry = _read(path)
     if entry is None:
         entry = _derive(r)

@@ -35,6 +35,10 @@ def _largest(ctx: T.RankContext, tensors) -> int:
     return max((_tp_numel(t, ctx.tp) for t in tensors), default=0)
 
 
+def _held_bytes(ctx: T.RankContext) -> int:
+    return ctx.prec.param_bytes if ctx.full else ctx.prec.frozen_bytes
+
+
 def load(ctx: T.RankContext, weights: T.Term, adapter: T.AdapterTerm, buffers: int) -> tuple[dict[str, int], str]:
     """The load phase: the model as stored, the adapters, and the tensor in flight."""
     prec = ctx.prec
@@ -46,14 +50,13 @@ def load(ctx: T.RankContext, weights: T.Term, adapter: T.AdapterTerm, buffers: i
         in_flight = _largest(ctx, ctx.quantized) * prec.frozen_bytes
         note = f"the largest linear in {ctx.dtype(prec.frozen_bytes)} on the device while it is packed to NF4"
     elif ctx.fsdp and ctx.cfg.model.init != "random":
-        nbytes = prec.param_bytes if ctx.full else prec.frozen_bytes
+        nbytes = _held_bytes(ctx)
         full = _largest(ctx, ctx.held)
         in_flight = (full + -(-full // ctx.shard_w)) * nbytes
         note = "the largest tensor in full on the device, and its shard, while distribute_tensor scatters it"
     elif ctx.fsdp and ctx.r.spec.tie_word_embeddings and any(t.role == "embedding" for t in ctx.held):
-        nbytes = prec.param_bytes if ctx.full else prec.frozen_bytes
         embedding = _largest(ctx, [t for t in ctx.held if t.role == "embedding"])
-        in_flight = -(-embedding // ctx.shard_w) * nbytes
+        in_flight = -(-embedding // ctx.shard_w) * _held_bytes(ctx)
         note = "a second shard of the tied embedding: FSDP2 allocates it for both modules before they are re-tied"
     else:
         in_flight = 0
@@ -78,8 +81,7 @@ def forward_working_set(ctx: T.RankContext) -> tuple[int, int, int]:
         return inputs, layer, 0
     vocab = -(-spec.vocab_size // tp)
     if ctx.fused:  # run/loss.py's chunked head: one chunk's logits at a time, as in training
-        prec = ctx.prec
-        head_bytes = cb if ctx.fsdp else (prec.param_bytes if ctx.full else prec.frozen_bytes)
+        head_bytes = cb if ctx.fsdp else _held_bytes(ctx)
         rows = min(ctx.cfg.train.loss_chunk_tokens, tokens)
         cast = vocab * h * cb if head_bytes != cb else 0
         chunk = rows * vocab * (4 + (cb if cb != 4 else 0)) + (rows * h * cb if ctx.residual != cb else 0)

@@ -506,15 +506,12 @@ def _first_layer_backward(ctx: RankContext, layer_in: int) -> int:
     # gradients of the MLP's intermediates (d product, d act, d up, d gate), in the compute dtype.
     tokens, inter, cb = ctx.tokens, ctx.inter, ctx.cb
     saved = A.total(A.layer_saved(ctx.spec, ctx.act, input_requires_grad=ctx.full))
-    if ctx.spec.num_experts:
+    if ctx.spec.num_experts:  # the MoE block's widest moment
         released, temps, formed = moe_backward(ctx)
-        first_layer_bwd = saved - released + temps + formed + layer_in
-        if ctx.cfg.memory.activation_checkpointing and ctx.residual != 4:
-            first_layer_bwd += layer_in
-        return first_layer_bwd
-    # By the time the MLP's input gradients are formed, down_proj's backward has released its input.
-    down_in = tokens * inter * cb if ctx.full else 0
-    first_layer_bwd = saved - down_in + 4 * tokens * inter * cb + layer_in  # + the residual stream's gradient
+        mlp_bwd = temps + formed - released
+    else:  # by the time the MLP's input gradients are formed, down_proj's backward has released its input
+        mlp_bwd = 4 * tokens * inter * cb - (tokens * inter * cb if ctx.full else 0)
+    first_layer_bwd = saved + mlp_bwd + layer_in  # + the residual stream's gradient
     if ctx.cfg.memory.activation_checkpointing and ctx.residual != 4:  # else the norm's fp32 input is the kept input
         first_layer_bwd += layer_in
     return first_layer_bwd
