@@ -346,7 +346,7 @@ def test_out_file_plans_to_the_same_ledger(tmp_path, capsys):
     out = tmp_path / "chosen.toml"
     assert cli.main(["advise", *NODE_8B, "--format", "json", "--out", str(out)]) == 0
     entry = json.loads(capsys.readouterr().out)["entries"][0]
-    assert out.read_text().startswith("# trainplan advise: Llama-3.1-8B on 8 x H100-80GB, rank 1")
+    assert out.read_text().startswith("# trainplan advise: meta-llama/Llama-3.1-8B on 8 x H100-80GB, rank 1")
     planned = tmp_path / "plan.json"
     assert cli.main(["plan", str(out), "--json", "--output", str(planned)]) == 0
     ledger = json.loads(planned.read_text())

@@ -50,3 +50,29 @@ def test_a_sequence_beyond_the_model_context_is_refused():
     cfg, dims = job(**{"batch.seq_len": 4096, "hardware.gpus": "H100-80GB"})
     with pytest.raises(NotRunnable, match="batch.seq_len: 4096 exceeds the model's context of 2048"):
         require_runnable(cfg, dims, max_positions=2048, cuda=True)
+
+
+@pytest.mark.parametrize(
+    ("model", "targets", "modules"),
+    [
+        ("Llama-3.1-8B", None, ["q_proj", "v_proj"]),  # the one default, "attention"
+        ("GPT-2", None, ["c_attn"]),  # fused qkv
+        ("Phi-3-mini-4k", None, ["qkv_proj"]),
+        ("Qwen3-0.6B", ["all-linear"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+        ("GPT-2", ["all-linear"], ["c_attn", "c_proj", "c_fc"]),
+        ("Llama-3.1-8B", ["o_proj", "attention"], ["o_proj", "q_proj", "v_proj"]),
+    ],
+)
+def test_lora_target_sets_resolve_per_architecture(model, targets, modules):
+    settings = {"model.source": model, "mode": "lora"} | ({"lora.target_modules": targets} if targets else {})
+    r = resolve(C.load(None, [], settings))
+    assert sorted(r.cfg.lora.target_modules) == sorted(modules)
+
+
+def test_plan_train_and_accept_share_one_lora_default():
+    """accept's default configuration sets no targets of its own: plan, train, advise and accept
+    all start from LoraConfig's."""
+    from trainplan.verify.accept import DEFAULT_CONFIG
+
+    assert "target_modules" not in DEFAULT_CONFIG.read_text()
+    assert C.load(DEFAULT_CONFIG, []).lora.target_modules == C.LoraConfig().target_modules == ["attention"]

@@ -7,6 +7,7 @@ calls it before building anything, and `advise` asks it of every candidate it ra
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from trainplan import config as C
@@ -81,7 +82,9 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
         )
     if cfg.mode in ("lora", "qlora"):
         known = {lin.module for lin in spec.layer_linears}
-        for target in cfg.lora.target_modules:
+        modules = list(spec.lora_modules(cfg.lora.target_modules))
+        cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, target_modules=modules))
+        for target in modules:
             if target not in known:
                 raise ConfigError(
                     "lora.target_modules",

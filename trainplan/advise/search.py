@@ -182,8 +182,7 @@ def layouts(spec: ModelSpec, devices: list[DeviceSpec], global_batch: int) -> tu
 
 def lora_targets(spec: ModelSpec) -> list[tuple[str, tuple[str, ...]]]:
     """All linear layers (QLoRA's recipe, Dettmers et al. 2023) and the attention q/v pair (Hu et al. 2021)."""
-    every = tuple(dict.fromkeys(lin.module for lin in spec.layer_linears))
-    attn = tuple(m for m in ("q_proj", "v_proj") if m in every) or (spec.layer_linears[0].module,)
+    every, attn = spec.lora_modules(["all-linear"]), spec.lora_modules(["attention"])
     return [("all-linear", every)] + ([("attention", attn)] if attn != every else [])
 
 

@@ -5,6 +5,7 @@ traces the code that actually runs.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -73,7 +74,9 @@ def apply_mode(model: nn.Module, cfg: RunConfig) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     # PEFT upcasts the adapters to fp32 when the base is 16-bit (autocast_adapter_dtype=True).
-    return peft.get_peft_model(model, lora)
+    with warnings.catch_warnings():  # PEFT reads transformers' deprecated is_gradient_checkpointing
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        return peft.get_peft_model(model, lora)
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, prec: Precision, mesh) -> nn.Module:

@@ -13,7 +13,8 @@ from torch import nn
 from trainplan.config import RunConfig
 from trainplan.errors import ConfigError, TrainplanError
 from trainplan.run import build, qlora
-from trainplan.spec.model import ModelSpec, default_gguf_path
+from trainplan.spec import hub
+from trainplan.spec.model import ModelSpec, default_gguf_path, model_dir
 from trainplan.spec.precision import Precision
 
 
@@ -24,13 +25,19 @@ def is_pretrained(cfg: RunConfig) -> bool:
     source = cfg.model.source
     if cfg.model.init == "random":
         return False
-    if source == "default" or source.endswith(".gguf") or Path(source).is_dir():
+    if source == "default" or source.endswith(".gguf") or model_dir(source) is not None:
         return True
+    if hub.looks_like_hub_id(source):
+        raise ConfigError(
+            "model.source",
+            f"{source!r} is not in the local Hugging Face cache: only its architecture is known (a preset)",
+            hub.download_fix(source) + '; or set model.init = "random" to train from scratch',
+        )
     raise ConfigError(
         "model.source",
         f"{source!r} describes an architecture but carries no weights, so training would start from random ones",
-        "point model.source at a local model directory or .gguf holding its weights (e.g. `huggingface-cli "
-        'download ORG/NAME --local-dir DIR`), or set model.init = "random" to train from scratch',
+        "point model.source at a local model directory, a Hub id in the local cache or a .gguf holding its weights "
+        '(e.g. `hf download ORG/NAME`), or set model.init = "random" to train from scratch',
     )
 
 
@@ -75,8 +82,7 @@ def weights_dir(cfg: RunConfig) -> Path | None:
     gguf = _gguf(cfg)
     if gguf is not None:
         return gguf_cache(gguf, cfg.model.cache_dir)
-    path = Path(cfg.model.source)
-    return path if path.is_dir() else None
+    return model_dir(cfg.model.source)
 
 
 def load_tokenizer(cfg: RunConfig, spec: ModelSpec):

@@ -1,7 +1,8 @@
 """ModelSpec: the architecture numbers the planner needs, and every parameter tensor by name.
 
-Three sources: a shipped preset (numbers copied from the model's public config.json),
-a local Hugging Face model directory or config.json, or a GGUF file's metadata.
+Sources: a shipped preset (numbers copied from the model's public config.json, named by its
+Hub id), a local Hugging Face model directory or config.json, a Hub id in the local Hugging Face
+cache (spec/hub.py), or a GGUF file's metadata.
 Parameter names follow transformers' modules, so LoRA target names and FSDP units match
 the model that will actually run.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainplan.errors import ConfigError, TrainplanError, nearest
+from trainplan.spec import hub
 
 PRESET_DIR = Path(__file__).parent / "presets"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "gemma2", "phi3", "gpt2")
@@ -149,6 +151,25 @@ class ModelSpec:
             ]
         mlp.append(LinearShape(module="down_proj", in_features=i, out_features=h, bias=b, group="mlp"))
         return tuple(attn + mlp)
+
+    def lora_modules(self, targets) -> tuple[str, ...]:
+        """LoRA target module names, the sets expanded for this architecture: "all-linear", every
+        linear layer of a decoder layer; "attention", q_proj and v_proj (or the fused qkv)."""
+        every = tuple(dict.fromkeys(lin.module for lin in self.layer_linears))
+        out: list[str] = []
+        for target in targets:
+            if target == "all-linear":
+                out += every
+            elif target == "attention":  # q and v, or the fused projection that makes them
+                fused = [
+                    lin.module
+                    for lin in self.layer_linears
+                    if lin.group == "attn" and lin.out_features > lin.in_features
+                ]
+                out += [m for m in ("q_proj", "v_proj") if m in every] or fused
+            else:
+                out.append(target)
+        return tuple(dict.fromkeys(out))
 
     def _layer_tensors(self, idx: int) -> list[ParamTensor]:
         h = self.hidden_size
@@ -382,18 +403,49 @@ def from_hf_config(cfg: dict, *, name: str, where: str = "config.json") -> Model
     )
 
 
+@functools.cache
+def _presets() -> dict[str, tuple[str, str, str]]:
+    """lower-case name -> (canonical name, file stem, the name as written). A preset is named by
+    the Hub id it describes (`meta-llama/Llama-3.1-8B`); its short name (`Llama-3.1-8B`) and the
+    id's repository part (`gpt2`) are aliases."""
+    out: dict[str, tuple[str, str, str]] = {}
+    for path in sorted(PRESET_DIR.glob("*.json")):
+        hub_id = json.loads(path.read_text()).get("_hub_id")
+        canonical = hub_id or path.stem
+        for alias in (canonical, path.stem, hub_id.split("/")[1] if hub_id else None):
+            if alias:
+                out.setdefault(alias.lower(), (canonical, path.stem, alias))
+    return out
+
+
 def preset_names() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+    """Every preset's canonical name (its Hub id where it describes one)."""
+    return sorted({canonical for canonical, _, _ in _presets().values()})
+
+
+def find_preset(name: str) -> str | None:
+    """The canonical name of the preset `name` names (canonical or alias), or None."""
+    hit = _presets().get(name.lower())
+    return hit[0] if hit else None
 
 
 def preset_config(name: str) -> dict:
     """The config.json dict shipped for a preset (keys starting with '_' are provenance)."""
-    by_lower = {n.lower(): n for n in preset_names()}
-    key = by_lower.get(name.lower())
-    if key is None:
-        raise ConfigError("model.source", f"unknown preset {name!r}", nearest(name, preset_names()))
-    cfg = json.loads((PRESET_DIR / f"{key}.json").read_text())
+    hit = _presets().get(name.lower())
+    if hit is None:
+        written = sorted(alias for _, _, alias in _presets().values())
+        raise ConfigError("model.source", f"unknown preset {name!r}", nearest(name, written))
+    cfg = json.loads((PRESET_DIR / f"{hit[1]}.json").read_text())
     return {k: v for k, v in cfg.items() if not k.startswith("_")}
+
+
+def model_dir(source: str) -> Path | None:
+    """The local directory holding `source`'s files: a model directory, or a Hub id's snapshot in
+    the local Hugging Face cache. None for presets, config.json, GGUF and the default."""
+    path = Path(source)
+    if path.is_dir():
+        return path
+    return hub.cached_snapshot(source) if hub.looks_like_hub_id(source) else None
 
 
 def _read_json(path: Path) -> dict:
@@ -427,7 +479,8 @@ def default_gguf_path() -> Path:
 
 
 def load_model_spec(source: str) -> ModelSpec:
-    """Resolve model.source: 'default', a preset name, an HF dir, a config.json, or a .gguf file."""
+    """Resolve model.source: 'default', a preset, an HF dir, a Hub id in the local HF cache (else the
+    preset of that id), a config.json, or a .gguf file."""
     if source == "default":
         return from_gguf(default_gguf_path(), name="SmolLM2-135M-Instruct (embedded default)")
     path = Path(source)
@@ -446,14 +499,23 @@ def load_model_spec(source: str) -> ModelSpec:
         if not path.is_file():
             raise ConfigError("model.source", f"no such file {source!r}", "check the path")
         return from_hf_config(_read_json(path), name=path.stem, where=str(path))
-    if ("/" in source or source.startswith(".")) and not path.exists():
+    if hub.looks_like_hub_id(source):
+        snapshot = hub.cached_snapshot(source)
+        if snapshot is not None:  # the real config.json, from the local Hugging Face cache
+            return from_hf_config(_read_json(snapshot / "config.json"), name=source, where=f"{source} (HF cache)")
+        if find_preset(source) is None:
+            raise ConfigError(
+                "model.source",
+                f"{source!r} is not a local directory, not in the local Hugging Face cache and not a preset",
+                hub.download_fix(source),
+            )
+    elif ("/" in source or source.startswith(".")) and not path.exists():
         raise ConfigError(
             "model.source",
             f"no such model directory or file {source!r}",
-            "check the path, or name a preset such as 'Llama-3.1-8B'",
+            "check the path, or name a preset such as 'meta-llama/Llama-3.1-8B'",
         )
-    by_lower = {n.lower(): n for n in preset_names()}
-    canonical = by_lower.get(source.lower(), source)
+    canonical = find_preset(source) or source
     return from_hf_config(preset_config(source), name=canonical, where=f"preset {canonical}")
 
 
