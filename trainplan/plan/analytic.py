@@ -57,6 +57,14 @@ __all__ = [  # what other modules import from here; the terms themselves live in
 # ---- one rank --------------------------------------------------------------------------------
 
 
+def _backward_copies(ctx: T.RankContext, copies: int) -> int:
+    """autocast's weight copies at the start of backward: all of forward's, unless checkpointing
+    released the layers' (T.casts_kept_by_checkpointing)."""
+    if ctx.cfg.memory.activation_checkpointing and ctx.autocast and ctx.full and not ctx.fsdp:
+        return T.casts_kept_by_checkpointing(ctx)
+    return copies
+
+
 def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     """One rank's bill: the terms of plan/terms.py, per phase, with the peak moment of backward."""
     ctx = T.rank_context(r, rank)
@@ -101,7 +109,7 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         },
         "backward": {
             "weights": weights.nbytes,
-            "weight_copies": copies.nbytes,
+            "weight_copies": _backward_copies(ctx, copies.nbytes),
             "adapter": adapter.live + (adapter.grads if ctx.persistent_grads else 0),
             "gradients": grads.live_fwd + loss.by_phase["backward_grads"],
             "optimizer": opt.states,

@@ -16,6 +16,7 @@ from trainplan.plan.terms import (
     GradTerm,
     RankContext,
     _autocast_cast,
+    casts_kept_by_checkpointing,
     moe_backward,
 )
 
@@ -49,6 +50,8 @@ def backward_moments(
         top_layer["gradients"] = grads.live_fwd + (grads.head if ctx.full and ctx.last else 0)
         top_layer["adapter"] = adapter.live + (adapter.grads if ctx.persistent_grads else 0)
         top_layer["weight_copies"] = start["weight_copies"]
+        if ctx.autocast and ctx.full and not ctx.fsdp:  # the recomputed layer's casts, made again
+            top_layer["weight_copies"] = casts_kept_by_checkpointing(ctx, ctx.layers[-1])
         top_layer["activations"] = (
             acts.first_layer_bwd
             + ctx.in_flight * acts.step_inputs

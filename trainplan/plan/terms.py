@@ -262,6 +262,15 @@ def _autocast_cast(ctx: RankContext) -> list[ParamTensor]:
     ]
 
 
+def casts_kept_by_checkpointing(ctx: RankContext, layer: int | None = None) -> int:
+    """Activation checkpointing with autocast: the cache is cleared when the forward (with the
+    loss) leaves autocast, and a checkpointed layer saved no cast for backward, so only the casts
+    of ops outside the checkpoints (the head's) live into backward, plus `layer`'s while it is
+    recomputed."""
+    kept = [t for t in _autocast_cast(ctx) if t.layer is None or t.layer == layer]
+    return sum(_tp_numel(t, ctx.tp) for t in kept) * ctx.cb
+
+
 def weight_copies(ctx: RankContext) -> Term:
     """Weights held in a second dtype from forward until backward ends (the same in both)."""
     cb, dtype = ctx.cb, ctx.prec.compute_dtype
