@@ -337,7 +337,12 @@ def test_fsdp_root_reduce_scatter_is_the_checkpointed_backward_peak(tmp_path):
     cfg = C.load(
         None,
         [f"model.source={source}", "model.init=random", "hardware.gpus=4xH100-80GB", "parallel.strategy=zero3"]
-        + ["precision=amp-bf16", "memory.activation_checkpointing=true", "batch.seq_len=32", "batch.micro_batch_size=2"],
+        + [
+            "precision=amp-bf16",
+            "memory.activation_checkpointing=true",
+            "batch.seq_len=32",
+            "batch.micro_batch_size=2",
+        ],
     )
     result, _ = traced.trace(cfg)
     led = analytic.plan(cfg).devices[0]
