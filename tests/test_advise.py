@@ -105,7 +105,7 @@ def test_405b_inference_on_8x80gb_fails_per_device_and_says_what_would_fit(capsy
         ledger = replanned(s, o, 1)
         assert not ledger.fits and any(not d.fits for d in ledger.devices)
     assert cli.main(["advise", *argv]) == 1
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # the text wraps at 100 columns
     assert "NOTHING FITS: every candidate exceeds a device (memory does not pool)" in out
     assert "needs >= 16 x H100-80GB (inference, bf16, tp 8, pp 2), or 8 x H200-141GB (inference, bf16, tp 8)" in out
     # and what it says would fit does fit
@@ -164,7 +164,7 @@ def test_preferences_change_the_ranking():
 def test_full_mode_only_says_what_is_missing(capsys):
     argv = ["advise", "Llama-3.1-70B", "--mode", "full", "--gpus", "2xA100-80GB", "--seq", "2048"]
     assert cli.main(argv + ["--global-batch", "8"]) == 1
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # the text wraps at 100 columns
     assert "needs >= 8 x A100-80GB (full fine-tuning" in out
     assert "or LoRA on 2 x A100-80GB (LoRA" in out
 
@@ -314,7 +314,7 @@ def test_bad_input_is_one_line_naming_the_field_and_fix(argv, message, tmp_path,
 
 def test_table_states_the_estimate_and_reasons(capsys):
     assert cli.main(["advise", *NODE_8B, "--top", "3"]) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # the text wraps at 100 columns
     assert "candidate configurations planned in" in out
     assert "step time is an estimate (MFU 40.0% on H100-80GB, assumed" in out
     assert "ZeRO-3/FSDP needed: ZeRO-2 exceeds GPU 0 by" in out or "ZeRO-2 needed: ZeRO-1 exceeds GPU 0 by" in out

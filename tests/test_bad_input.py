@@ -235,7 +235,7 @@ def _file_cases(tmp):
         (["train", "--set", f"train.output_dir={a_file}"], r"^train\.output_dir: "),
         (["train", "--set", f"checkpoint.dir={a_file / 'x'}"], r"^checkpoint\.dir: "),
         (["accept", "--output-dir", str(a_file)], r"^--output-dir: "),
-        (["train", "--set", f"data.source={chat}"], r"^data\.source: chat\.jsonl line 1: messages must be a non-empty"),
+        (["train", "--set", f"data.source={chat}"], r"^data\.source: chat\.jsonl:1: messages must be a non-empty"),
         (["train", "--set", f"data.source={binary_jsonl}"], r"^data\.source: .*binary\.jsonl' is not UTF-8 text"),
         (
             ["train", "--set", f"data.source={tiny_corpus}", "--seq", "8", "--micro-batch", "64"],

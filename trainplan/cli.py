@@ -20,9 +20,12 @@ COMMANDS: dict[str, str] = {
     "verify-resume": "verify_resume",
     "accept": "accept",
     "runs": "runs",
+    "export": "export",
+    "generate": "generate",
     "trace": "trace",
     "devices": "devices",
     "settings": "settings",
+    "config": "settings",  # `trainplan config --show [CONFIG]`: the same listing, a file's values beside the defaults
 }
 
 

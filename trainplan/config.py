@@ -50,11 +50,14 @@ def _fraction(section: str, name: str, value: Any, *, top: float = 1) -> None:
 
 INITS = ("auto", "pretrained", "random")
 SCHEDULES = ("constant", "cosine")
+DATA_FORMATS = ("auto", "text", "prompt-completion", "alpaca", "sharegpt", "messages")
+REPORTERS = ("tensorboard", "mlflow", "wandb", "none")  # train.report_to
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    source: str = "default"  # "default" (embedded SmolLM2-135M), preset, HF dir, config.json, .gguf
+    # "default" (embedded SmolLM2-135M), a preset, an HF dir, a Hub id (local HF cache), config.json, .gguf
+    source: str = "default"
     # auto / pretrained: load the source's weights (an HF dir, a .gguf, the default); a preset or a
     # config.json has none and is refused by train. random: train from scratch, asked for explicitly.
     init: str = "auto"
@@ -71,20 +74,40 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    source: str = "default"  # default: the Python docs every CPython ships; or .txt, a dir of .txt, .jsonl
-    eval_fraction: float = 0.1  # share of documents held out for evaluation
+    # default: the Python docs every CPython ships; a .txt, .jsonl, .json, .parquet or .csv file, a
+    # directory of them, or "owner/name[:split]" already in the local Hugging Face cache (run/data.py)
+    source: str = "default"
+    format: str = "auto"  # auto (from the columns), text, prompt-completion, alpaca, sharegpt, messages
+    eval_source: str = ""  # a separate held-out set, same kinds as source; "": hold out eval_fraction of source
+    eval_fraction: float = 0.1  # share of source documents held out for evaluation; unused with eval_source
 
     def __post_init__(self) -> None:
+        for name in ("source", "eval_source"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(
+                    f"data.{name}",
+                    f"must be a path or dataset id (got {getattr(self, name)!r})",
+                    "write it as a string",
+                )
+        if not self.source.strip():
+            raise ConfigError("data.source", "is empty", 'give a file, a directory, a cached dataset id, or "default"')
+        _choice("data", "format", self.format, DATA_FORMATS)
         _fraction("data", "eval_fraction", self.eval_fraction)
-        if self.eval_fraction == 0:
-            raise ConfigError("data.eval_fraction", "is 0: quality needs held-out data", "set it to e.g. 0.1")
+        if self.eval_fraction == 0 and not self.eval_source:
+            error = ConfigError(
+                "data.eval_fraction",
+                "is 0: quality needs held-out data",
+                "set it to e.g. 0.1, or give a separate evaluation set in data.eval_source",
+            )
+            error.field = "data"  # two settings together: judged with the whole section (_section)
+            raise error
 
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
     dir: str = ""  # default: <train.output_dir>/checkpoints
     every: int = 50  # optimizer steps between checkpoints; 0: none
-    keep_last: int = 2
+    keep_last: int = 2  # this run's newest checkpoints kept; older ones are pruned
     resume: str = ""  # "auto": the newest valid checkpoint in dir; or a checkpoint path
 
     def __post_init__(self) -> None:
@@ -95,10 +118,13 @@ class CheckpointConfig:
 @dataclass(kw_only=True)
 class TrainConfig:
     steps: int = 20  # optimizer steps
-    seed: int = 0
-    warmup_steps: int = 0
-    schedule: str = "constant"
-    max_grad_norm: float = 1.0
+    # > 0: passes over the training split instead; sets train.steps once the data is packed
+    # (ceil(epochs x training sequences / global batch))
+    epochs: float = 0.0
+    seed: int = 0  # model init, data order and dropout
+    warmup_steps: int = 0  # linear warm-up from 0 to optim.lr
+    schedule: str = "constant"  # constant | cosine (after warm-up)
+    max_grad_norm: float = 1.0  # gradient clipping by global norm
     eval_every: int = 0  # 0: evaluate before and after only
     eval_batches: int = 8  # micro-batches of held-out data per evaluation; 0: the whole split
     output_dir: str = ""  # "": a directory of its own per run, runs/<date>-<time>-<id> (run/setup.py)
@@ -108,13 +134,41 @@ class TrainConfig:
     # The loss without the (tokens x vocab) logits: chunked fused linear cross-entropy (run/loss.py)
     fused_loss: bool = True
     loss_chunk_tokens: int = 128  # rows of logits formed at a time by the fused loss
+    # Progress where stderr is not a terminal (a batch job's log), run/progress.py; on a terminal
+    # a progress bar shows every step.
+    log_every: int = 10  # a timestamped progress line every this many steps
+    log_every_s: float = 30.0  # and a line at least this often (seconds of work), however long a step takes
+    # Metrics loggers, each writing under train.output_dir on the main rank: "tensorboard"
+    # (tensorboard/), "mlflow" (a local file store, mlruns/), "wandb" (offline, wandb/), or "none".
+    # One name may be given alone: report_to = "none" (or --set train.report_to=none).
+    report_to: str | list[str] = field(default_factory=lambda: ["tensorboard"])
 
     def __post_init__(self) -> None:
         _positive_int("train", "steps", self.steps)
+        _positive_int("train", "log_every", self.log_every)
+        if isinstance(self.log_every_s, bool) or not isinstance(self.log_every_s, int | float) or self.log_every_s <= 0:
+            raise ConfigError(
+                "train.log_every_s", f"must be a positive number of seconds (got {self.log_every_s!r})", "e.g. 30"
+            )
+        if isinstance(self.report_to, str):  # report_to = "wandb", or --set train.report_to=none
+            self.report_to = [self.report_to]
+        for name in self.report_to:
+            _choice("train", "report_to", name, REPORTERS)
+        if "none" in self.report_to and len(self.report_to) > 1:
+            raise ConfigError("train.report_to", f'"none" with other loggers ({self.report_to})', 'give "none" alone')
         for name in ("seed", "warmup_steps", "eval_every", "eval_batches", "stop_after", "overfit_batches"):
             _positive_int("train", name, getattr(self, name), minimum=0)
         _positive_int("train", "loss_chunk_tokens", self.loss_chunk_tokens)
         _choice("train", "schedule", self.schedule, SCHEDULES)
+        if (
+            isinstance(self.epochs, bool)
+            or not isinstance(self.epochs, int | float)
+            or not math.isfinite(self.epochs)
+            or self.epochs < 0
+        ):
+            raise ConfigError(
+                "train.epochs", f"must be a number >= 0 (got {self.epochs!r})", "e.g. train.epochs = 3 (0: train.steps)"
+            )
         for name in ("measure_memory", "fused_loss"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
@@ -144,14 +198,14 @@ INJECT_KINDS = ("nan-loss", "nan-grad", "spike", "sigint", "hang", *KILL_KINDS)
 class GuardConfig:
     """The stability guard, checked at every optimizer step before the update is applied."""
 
-    enabled: bool = True
+    enabled: bool = True  # the stability guard (NaN/Inf, spikes, fp16 scale collapse)
     window: int = 128  # rolling window of recent losses and grad norms (OLMo-core: 128)
     threshold: float = 6.0  # z-score above the window's mean that counts as a spike
     min_history: int = 0  # values in the window before spikes are checked; 0: half the window
     on_nonfinite: str = "skip"  # a NaN/Inf loss or gradient on any rank
-    on_spike: str = "skip"
+    on_spike: str = "skip"  # skip | rollback | stop
     on_scale_collapse: str = "stop"  # amp-fp16: the GradScaler's scale fell below min_loss_scale
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = 1.0  # amp-fp16: the GradScaler scale below which on_scale_collapse acts
     rollback_skip: int = 0  # rollback skips the batches from the checkpoint through the bad step, and this many more
     rollback_lr_factor: float = 1.0  # multiply the learning rate after a rollback (e.g. 0.5)
     max_rollbacks: int = 3  # then stop
@@ -192,12 +246,18 @@ class GuardConfig:
         return out
 
 
+LORA_TARGET_SETS = ("attention", "all-linear")
+
+
 @dataclass(kw_only=True)
 class LoraConfig:
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.05
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    r: int = 8  # LoRA rank
+    alpha: float = 16.0  # LoRA scaling numerator: updates are scaled by alpha / r
+    dropout: float = 0.05  # dropout on the LoRA input
+    # module names, or a set expanded for the architecture (resolve.py): "attention" (the default,
+    # Hu et al. 2021): q_proj and v_proj, or the fused qkv; "all-linear" (QLoRA's recipe,
+    # Dettmers et al. 2023): every linear layer of a decoder layer
+    target_modules: list[str] = field(default_factory=lambda: ["attention"])
 
     def __post_init__(self) -> None:
         _positive_int("lora", "r", self.r)
@@ -214,10 +274,10 @@ class LoraConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    name: str = "adamw"
+    name: str = "adamw"  # adamw | adamw-8bit | sgd | sgd-momentum | adafactor
     implementation: str = "auto"  # auto: foreach on GPUs, for-loop on CPU (torch's own default)
-    lr: float = 1e-4
-    weight_decay: float = 0.0
+    lr: float = 1e-4  # peak learning rate
+    weight_decay: float = 0.0  # decoupled weight decay (AdamW)
 
     def __post_init__(self) -> None:
         _choice("optim", "name", self.name, OPTIMIZERS)
@@ -234,7 +294,7 @@ class OptimConfig:
 @dataclass(kw_only=True)
 class BatchConfig:
     micro_batch_size: int | None = None  # per device; default 1 unless derivable
-    grad_accum_steps: int | None = None
+    grad_accum_steps: int | None = None  # micro-batches per optimizer step; default from the global batch
     global_batch_size: int | None = None  # sequences per optimizer step, all ranks
     seq_len: int = 512  # tokens per sequence (inference: prompt + generated context)
 
@@ -248,9 +308,9 @@ class BatchConfig:
 @dataclass(kw_only=True)
 class ParallelConfig:
     strategy: str = "ddp"  # how data-parallel replicas share state; irrelevant at dp=1
-    tp: int = 1
-    pp: int = 1
-    offload_optimizer: bool = False
+    tp: int = 1  # tensor-parallel degree (plan only; train runs tp = 1)
+    pp: int = 1  # pipeline-parallel degree (plan only; train runs pp = 1)
+    offload_optimizer: bool = False  # optimizer states in host memory (plan only)
     # a collective that waits this long for a peer ends every waiting rank with an error naming it
     # (torch's default is 30 minutes)
     timeout_s: int = 600
@@ -266,7 +326,7 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class MemoryConfig:
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # recompute each layer in backward instead of saving it
     attention: str = "auto"  # auto: sdpa where transformers supports it for the model, else eager
 
     def __post_init__(self) -> None:
@@ -293,8 +353,8 @@ class HardwareConfig:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    mode: str = "full"
-    precision: str = "amp-bf16"
+    mode: str = "full"  # full | lora | qlora | inference
+    precision: str = "amp-bf16"  # fp32 | amp-bf16 | amp-fp16 | bf16 (pure bf16 weights and states)
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

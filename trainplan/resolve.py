@@ -43,6 +43,12 @@ class Resolved:
         return fused_loss_applies(self.spec, enabled=train.fused_loss, mode=self.cfg.mode, tp=self.dims.tp)
 
 
+def with_lora_modules(cfg: C.RunConfig, spec: ModelSpec) -> C.RunConfig:
+    """cfg with its LoRA target sets ("attention", "all-linear") expanded to spec's module names."""
+    modules = list(spec.lora_modules(cfg.lora.target_modules))
+    return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, target_modules=modules))
+
+
 def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
     """Validate cfg against the model and the devices: the job every command plans or runs."""
     spec = spec or load_model_spec(cfg.model.source)
@@ -82,9 +88,8 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
         )
     if cfg.mode in ("lora", "qlora"):
         known = {lin.module for lin in spec.layer_linears}
-        modules = list(spec.lora_modules(cfg.lora.target_modules))
-        cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, target_modules=modules))
-        for target in modules:
+        cfg = with_lora_modules(cfg, spec)
+        for target in cfg.lora.target_modules:
             if target not in known:
                 raise ConfigError(
                     "lora.target_modules",

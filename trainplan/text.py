@@ -3,9 +3,14 @@ where it is shown: Markdown (reports) and the terminal (`runs list|show|compare`
 
 from __future__ import annotations
 
+import io
 import re
+import shutil
+import sys
+import textwrap
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 and C1 controls but tab and newline
+_UNIT = re.compile(r"(\d) (B|KiB|MiB|GiB|TiB|s|ms|%)(?!\w)")
 _MARKDOWN = re.compile(r"([\\`*_{}\[\]()#+!|~])")
 
 
@@ -18,3 +23,66 @@ def md(text: object) -> str:
     """A user string inside Markdown: no raw HTML, no markup, no control characters."""
     s = printable(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     return _MARKDOWN.sub(r"\\\1", s).replace("\n", " ")
+
+
+# ---- terminal tables ------------------------------------------------------------------------
+
+WIDTH = 100  # columns of text written anywhere but a terminal (a pipe, a file, a test)
+
+
+def is_terminal(output: str | None = None) -> bool:
+    """Whether a command's text goes to a terminal: stdout is one and no --output file is given."""
+    return not output and sys.stdout.isatty()
+
+
+def columns(terminal: bool) -> int:
+    return shutil.get_terminal_size((WIDTH, 24)).columns if terminal else WIDTH
+
+
+def render(*items, terminal: bool = False) -> str:
+    """Rich renderables (tables, Text) as text. On a terminal: its width, with colour; anywhere
+    else: WIDTH columns and no ANSI code at all. Trailing spaces are stripped."""
+    from rich.console import Console
+
+    console = Console(
+        file=io.StringIO(),
+        width=columns(terminal),
+        force_terminal=terminal,
+        color_system="standard" if terminal else None,
+        no_color=not terminal,
+        markup=False,
+        emoji=False,
+        highlight=False,
+    )
+    with console.capture() as captured:
+        for item in items:
+            console.print(item)
+    return "\n".join(line.rstrip() for line in captured.get().rstrip("\n").splitlines())
+
+
+def table(*heads: str, **options):
+    """A rich table in trainplan's style: a ruled header, no outer frame, columns two apart; a
+    cell too wide wraps (never cut with an ellipsis). A column named 'name>' is right-aligned."""
+    from rich.box import Box
+    from rich.table import Table
+
+    ruled = Box("    \n    \n ── \n    \n ── \n    \n    \n    \n")  # a rule under the header and between sections
+    t = Table(box=ruled, show_edge=False, pad_edge=False, collapse_padding=True, header_style="bold", **options)
+    for head in heads:
+        t.add_column(head.rstrip(">"), justify="right" if head.endswith(">") else "left", overflow="fold")
+    return t
+
+
+def cell(value: object, style: str = ""):
+    """A table cell from a user string: inert (no markup, no control characters)."""
+    from rich.text import Text
+
+    return Text(printable(value), style=style)
+
+
+def wrap(text: str, *, indent: str = "", hang: str = "    ", width: int = WIDTH) -> str:
+    """A paragraph wrapped to `width` columns, continuation lines hanging under `indent + hang`;
+    a number and its unit stay on one line."""
+    glued = _UNIT.sub("\\1\xa0\\2", text)
+    lines = textwrap.fill(glued, width, initial_indent=indent, subsequent_indent=indent + hang, break_on_hyphens=False)
+    return lines.replace("\xa0", " ")

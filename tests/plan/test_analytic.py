@@ -233,8 +233,10 @@ def test_bf16_on_v100_is_refused_with_the_fix(make_cfg):
 
 
 def test_lora_target_that_matches_nothing(make_cfg):
-    with pytest.raises(ConfigError, match=r"lora\.target_modules: 'q_proj' matches no linear layer of Phi-3"):
-        plan(make_cfg(model__source="Phi-3-mini-4k", mode="lora", hardware__gpus="H100-80GB"))
+    phi3 = {"model__source": "Phi-3-mini-4k", "mode": "lora", "hardware__gpus": "H100-80GB"}
+    with pytest.raises(ConfigError, match=r"lora\.target_modules: 'q_proj' matches no linear layer of microsoft/Phi-3"):
+        plan(make_cfg(**phi3, lora__target_modules=["q_proj"]))
+    assert plan(make_cfg(**phi3)).settings["lora"]["target_modules"] == ["qkv_proj"]  # the default, "attention"
 
 
 def test_optimizer_choices_change_the_states(make_cfg):

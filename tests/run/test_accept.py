@@ -14,7 +14,7 @@ from trainplan.commands.train import execute
 from trainplan.plan import analytic
 from trainplan.run.record import RunRecord
 from trainplan.verify import accept, checks, registry
-from trainplan.verify.report import GROUP_COLORS
+from trainplan.verify.plots import HELD_OUT_COLOR, MEASURED_COLOR, PLAN_COLOR
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +46,9 @@ def test_accept_passes_every_check_and_writes_three_reports(accepted):
     assert mem["placement"][0]["cpu"]["parameters"] > 0 and mem["max_rss_bytes"][0] > 0
     q = checks["quality"]["evidence"]
     assert q["after"]["loss"] < q["before"]["loss"] and q["train_seconds"] > 0
+    # before/after samples are taken (tests/run/test_export_generate.py checks them), none here:
+    # this run's base is randomly initialized, so no model file holds a "before" to compare with
+    assert result["record"]["samples"] == []
     assert q["settings"]["data"]["eval_documents"] > 0  # separate evaluation data
     fit = checks["step"]["evidence"]["overfit_losses"]
     assert len(fit) == 6 and fit[-1] < fit[0]
@@ -154,8 +157,11 @@ def test_html_report_renders_its_plots_in_a_headless_browser(accepted, tmp_path)
     def pixels(hex_color: str) -> int:
         return counts.get(tuple(int(hex_color[i : i + 2], 16) for i in (1, 3, 5)), 0)
 
-    # memory bars: stacked states and activations blocks, hundreds of pixels each
-    assert pixels(GROUP_COLORS["states"]) > 2000 and pixels(GROUP_COLORS["activations+"]) > 2000
+    # the plots, matplotlib SVG (tests/verify/test_report.py checks their ticks): plan and measured
+    # memory bars side by side, thousands of pixels each, and the held-out evaluations
+    for plot_id in ("plot-memory", "plot-loss", "plot-grad-norm", "plot-throughput", "plot-overfit"):
+        assert f'id="{plot_id}"' in page
+    assert pixels(PLAN_COLOR) > 2000 and pixels(MEASURED_COLOR) > 2000 and pixels(HELD_OUT_COLOR) > 100
     # the verdict heading rendered in its colour
     assert pixels("#1a7f37") > 50
 
@@ -241,4 +247,4 @@ def test_reports_and_the_terminal_show_user_strings_inert(accepted, capsys):
     registry.add({**row, "model": evil, "output_dir": "/tmp/\x1b]0;title\x07"}, db)
     assert cli.main(["runs", "list", "--registry", str(db)]) == 0
     listed = capsys.readouterr().out
-    assert "\x1b" not in listed and "\x07" not in listed and "?[31mred" in listed
+    assert "\x1b" not in listed and "\x07" not in listed and "?[31mred" in "".join(listed.split())  # wrapped

@@ -114,7 +114,7 @@ def test_jsonl_formats_and_their_errors(tmp_path):
     assert [bool(d.text) for d in data.load_documents(str(good))] == [True, False, False]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\n{"txt": "b"}\n')
-    with pytest.raises(ConfigError, match=r"^data\.source: bad\.jsonl line 2 has keys \['txt'\]"):
+    with pytest.raises(ConfigError, match=r'^data\.source: bad\.jsonl:2: missing "text" \(text\)'):
         data.load_documents(str(bad))
     empty = tmp_path / "empty.txt"
     empty.write_text("   \n")
@@ -256,3 +256,13 @@ def test_a_run_that_ends_non_finite_fails_its_contract(tiny_run, tmp_path):
     record = run(tiny_run, tmp_path, "mode=full", "guard.enabled=false", "guard.inject=['nan-grad@2']")
     assert record["contract"]["passed"] is False
     assert "non-finite values in" in record["contract"]["detail"]
+
+
+def test_epochs_set_the_steps_from_the_packed_training_split(tiny_run, tmp_path):
+    """train.epochs = 1: one pass over the training split, ceil(sequences / global batch) steps."""
+    record = run(tiny_run, tmp_path, "train.epochs=1", "train.measure_memory=false", "checkpoint.every=0")
+    sequences, global_batch = record["data"]["train_sequences"], record["batch"]["global"]
+    assert len(record["steps"]) == -(-sequences // global_batch) == record["config"]["train"]["steps"]
+    assert len(record["steps"]) != 3  # not the base settings' train.steps
+    with pytest.raises(ConfigError, match=r"^train\.epochs: must be a number >= 0"):
+        C.load(None, ["train.epochs=-1"])

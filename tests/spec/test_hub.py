@@ -63,7 +63,9 @@ def test_a_hub_cache_id_plans_and_trains(tiny_run, tmp_path):
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
     cli = [sys.executable, "-m", "trainplan"]
-    plan = subprocess.run([*cli, "plan", REPO, "--gpus", "cpu", "--seq", "32", "--json"], env=env, capture_output=True, text=True)
+    plan = subprocess.run(
+        [*cli, "plan", REPO, "--gpus", "cpu", "--seq", "32", "--json"], env=env, capture_output=True, text=True
+    )
     assert plan.returncode == 0, plan.stderr
     assert json.loads(plan.stdout)["model"]["name"] == REPO
     settings = [s for s in base if not s.startswith(("model.source", "model.init"))]

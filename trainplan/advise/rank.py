@@ -155,36 +155,43 @@ def _seconds(x: float | None) -> str:
     return f"{x * 1e3:.0f} ms" if x < 1 else f"{x:.2f} s"
 
 
-def render_table(entries: list[dict], total_fit: int) -> list[str]:
-    head = ["#", "mode", "precision", "strategy", "tp/pp", "micro x accum", "AC", "optimizer", "lora"]
-    head += ["peak / usable (GiB)", "step (est.)", "tokens/s (est.)", "why"]
-    rows = [head]
+def render_table(entries: list[dict], total_fit: int, *, terminal: bool = False) -> str:
+    """The ranked entries as a table, then why each one is what it is (wrapped, never cut)."""
+    from trainplan.text import columns, render, table, wrap
+
+    t = table(
+        "#>",
+        "mode",
+        "layout",
+        "batch",
+        "AC / optimizer",
+        "LoRA",
+        "peak / usable\n(GiB)",
+        "step\n(est.)>",
+        "tokens/s\n(est.)>",
+        show_lines=True,
+    )
     for e in entries:
         est = e["estimate"] or {}
         tps = est.get("tokens_per_s")
-        rows.append(
-            [
-                str(e["rank"]),
-                e["mode"],
-                e["precision"],
-                NAMES.get(e["strategy"], e["strategy"]),
-                f"{e['tp']}/{e['pp']}",
-                f"{e['micro_batch_size']} x {e['grad_accum_steps']}",
-                "on" if e["activation_checkpointing"] else "off",
-                "-" if e["mode"] == "inference" else NAMES[e["optimizer"]],
-                f"r{e['lora']['r']} {e['lora']['targets']}" if e["lora"] else "-",
-                f"{e['peak']['total_bytes'] / GiB:.1f} / {e['peak']['usable_bytes'] / GiB:.1f} ({e['peak']['device']})",
-                _seconds(est.get("step_seconds")),
-                f"{tps:,.0f}" if tps else "n/a",
-                e["why"],
-            ]
+        t.add_row(
+            str(e["rank"]),
+            f"{e['mode']}\n{e['precision']}",
+            f"{NAMES.get(e['strategy'], e['strategy'])}\ntp {e['tp']}, pp {e['pp']}",
+            f"micro {e['micro_batch_size']}\naccum {e['grad_accum_steps']}",
+            f"AC {'on' if e['activation_checkpointing'] else 'off'}\n"
+            + ("-" if e["mode"] == "inference" else NAMES[e["optimizer"]]),
+            f"r{e['lora']['r']}\n{e['lora']['targets']}" if e["lora"] else "-",
+            f"{e['peak']['total_bytes'] / GiB:.1f} / {e['peak']['usable_bytes'] / GiB:.1f}\n{e['peak']['device']}",
+            _seconds(est.get("step_seconds")),
+            f"{tps:,.0f}" if tps else "n/a",
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in rows]
-    lines.insert(1, "-" * min(160, max(len(x) for x in lines)))
+    width = columns(terminal)
+    lines = [render(t, terminal=terminal)]
     if total_fit > len(entries):
         lines.append(f"... and {total_fit - len(entries)} more that fit (--top 0 shows all)")
-    return lines
+    lines += ["", "why:"] + [wrap(f"{e['rank']:>2}  {e['why']}", indent="  ", width=width) for e in entries]
+    return "\n".join(lines)
 
 
 def launch_command(world: int, path: str) -> str:
@@ -210,22 +217,36 @@ def out_toml(s: Search, o: Outcome, rank: int, prefer: str, path: str) -> str:
     return "\n".join(header) + "\n" + C.to_toml(cfg)
 
 
-def render_text(s: Search, doc: dict, args: argparse.Namespace) -> str:
+def render_text(s: Search, doc: dict, args: argparse.Namespace, *, terminal: bool = False) -> str:
+    from trainplan.text import columns, wrap
+
     req = s.request
+    width = columns(terminal)
     out = [
-        f"trainplan advise — {req.spec.name} ({req.spec.num_params / 1e6:,.1f}M params) on {doc['devices']}, "
-        f"seq {req.base.batch.seq_len}, global batch {req.global_batch}, mode {args.mode}, prefer {args.prefer}",
-        f"searched {doc['rungs']} rungs: {doc['evaluated']:,} candidate configurations planned in "
-        f"{doc['seconds']:.2f} s; {doc['fit']} fit every device with a {args.margin:.0%} margin",
+        wrap(
+            f"trainplan advise — {req.spec.name} ({req.spec.num_params / 1e6:,.1f}M params) on {doc['devices']}, "
+            f"seq {req.base.batch.seq_len}, global batch {req.global_batch}, mode {args.mode}, prefer {args.prefer}",
+            width=width,
+        ),
+        wrap(
+            f"searched {doc['rungs']} rungs: {doc['evaluated']:,} candidate configurations planned in "
+            f"{doc['seconds']:.2f} s; {doc['fit']} fit every device with a {args.margin:.0%} margin",
+            width=width,
+        ),
         "",
     ]
+    paragraphs = []
     if doc["fit"]:
-        out += render_table(doc["entries"], doc["fit"]) + ["", doc["estimate_note"]]
+        out += [render_table(doc["entries"], doc["fit"], terminal=terminal), ""]
+        paragraphs.append(doc["estimate_note"])
     else:
         nf = doc["nothing_fits"]
-        out.append("NOTHING FITS: " + nf["reason"])
-        out.append("needs " + (", or ".join(nf["needs"]) if nf["needs"] else f"more than {MAX_DEVICES} devices"))
-    out += ["note: " + n for n in doc["notes"]]
+        paragraphs.append("NOTHING FITS: " + nf["reason"])
+        paragraphs.append("needs " + (", or ".join(nf["needs"]) if nf["needs"] else f"more than {MAX_DEVICES} devices"))
+    paragraphs += ["note: " + n for n in doc["notes"]]
     if doc["out"]:
-        out.append(f"wrote {args.out} (rank {doc['out']['rank']}); run it: {launch_command(len(s.devices), args.out)}")
+        paragraphs.append(
+            f"wrote {args.out} (rank {doc['out']['rank']}); run it: {launch_command(len(s.devices), args.out)}"
+        )
+    out += [wrap(p, width=width) for p in paragraphs]
     return "\n".join(out)

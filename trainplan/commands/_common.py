@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from trainplan.errors import TrainplanError
@@ -35,6 +36,7 @@ CONFIG_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--lora-r", "lora.r", {"type": int, "help": "LoRA rank"}),
     ("--lora-alpha", "lora.alpha", {"type": float, "help": "LoRA alpha (scaling alpha / r)"}),
     ("--lr", "optim.lr", {"type": float, "help": "peak learning rate"}),
+    ("--epochs", "train.epochs", {"type": float, "help": "passes over the training split (sets train.steps)"}),
 )
 SWITCHES = (
     ("--checkpointing", "memory.activation_checkpointing", "activation checkpointing on every layer"),
@@ -51,7 +53,12 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     )
     for flag, _, kwargs in CONFIG_FLAGS:
         p.add_argument(flag, default=None, **kwargs)
-    p.add_argument("--lora-targets", default=None, help="comma-separated LoRA target modules (default q_proj,v_proj)")
+    p.add_argument(
+        "--lora-targets",
+        default=None,
+        help="comma-separated LoRA target modules, or a set: attention (the default: q_proj,v_proj or the "
+        "fused qkv) or all-linear (every linear layer)",
+    )
     for flag, _, text in SWITCHES:
         p.add_argument(flag, action="store_true", default=None, help=text)
     p.add_argument(
@@ -71,12 +78,13 @@ def config_from_args(args: argparse.Namespace):
 
 
 def split_positional(args: argparse.Namespace) -> None:
-    """`trainplan plan Llama-3.1-8B` or `plan ./my-model`: a positional argument that is not a
+    """`trainplan plan meta-llama/Llama-3.1-8B` or `plan ./my-model`: a positional argument that is not a
     TOML config but names a model becomes --model. A TOML file is still a config."""
     from pathlib import Path
 
     from trainplan.errors import ConfigError, nearest
-    from trainplan.spec.model import preset_names
+    from trainplan.spec.hub import looks_like_hub_id
+    from trainplan.spec.model import find_preset, preset_aliases
 
     given = getattr(args, "config", None)
     if given is None:
@@ -84,14 +92,20 @@ def split_positional(args: argparse.Namespace) -> None:
     path = Path(given)
     if path.suffix == ".toml":  # a config (a missing one is config.load's to report)
         return
-    is_model = given in preset_names() or given == "default" or path.is_dir() or path.suffix in (".json", ".gguf")
+    is_model = (
+        find_preset(given) is not None
+        or looks_like_hub_id(given)
+        or given == "default"
+        or path.is_dir()
+        or path.suffix in (".json", ".gguf")
+    )
     if not is_model:
         if path.is_file():  # a config without the .toml suffix
             return
         raise ConfigError(
             "config",
             f"{given!r} is neither a TOML file nor a model",
-            f"pass a TOML config, a model directory or a preset ({nearest(given, preset_names())}); "
+            f"pass a TOML config, a model directory or a preset ({nearest(given, preset_aliases())}); "
             "or name the model with --model",
         )
     if args.model is not None and args.model != given:
@@ -141,6 +155,49 @@ def emit(args: argparse.Namespace, text: str) -> None:
             ) from None
     else:
         print(text)
+
+
+def add_logging_args(p: argparse.ArgumentParser) -> None:
+    """--quiet / --verbose: the level of the `trainplan` logger, where progress goes."""
+    level = p.add_mutually_exclusive_group()
+    level.add_argument("--quiet", "-q", action="store_true", help="no progress lines; warnings and errors only")
+    level.add_argument(
+        "--verbose", "-v", action="store_true", help="a progress line for every step, and libraries' own warnings"
+    )
+
+
+class _StderrHandler(logging.Handler):
+    """Timestamped lines on stderr (looked up at each line, so a replaced stderr is honoured); on a
+    terminal through tqdm.write, which keeps a progress bar intact below the line."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text, stream = self.format(record), sys.stderr
+            if stream.isatty():
+                from tqdm import tqdm
+
+                tqdm.write(text, file=stream)
+            else:
+                stream.write(text + "\n")
+                stream.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    """The `trainplan` logger for a command with add_logging_args: INFO by default, WARNING with
+    --quiet, DEBUG with --verbose; libraries are quietened unless --verbose."""
+    verbose, quiet = getattr(args, "verbose", False), getattr(args, "quiet", False)
+    logger = logging.getLogger("trainplan")
+    for old in [h for h in logger.handlers if isinstance(h, _StderrHandler)]:  # main() run twice in one process
+        logger.removeHandler(old)
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
+    logger.propagate = False
+    if not verbose:
+        quiet_libraries()
 
 
 def quiet_libraries() -> None:

@@ -8,11 +8,12 @@ from pathlib import Path
 
 from trainplan.commands._common import (
     add_config_args,
+    add_logging_args,
     add_registry_arg,
     check_fraction,
     check_nproc,
-    quiet_libraries,
     settings_from_args,
+    setup_logging,
     split_positional,
     warn,
 )
@@ -39,6 +40,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overfit-steps", type=int, default=6, help="step check: steps on one fixed batch")
     p.add_argument("--nproc", type=int, default=1, help="ranks for the run (torchrun --standalone)")
     add_registry_arg(p)
+    add_logging_args(p)
     p.add_argument(
         "--perturb-plan",
         action="append",
@@ -50,10 +52,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from trainplan.config import load
+    from trainplan.run.progress import Progress, duration
     from trainplan.run.record import RunRecord
     from trainplan.verify import accept, registry, report
 
-    quiet_libraries()
+    setup_logging(args)
     perturb = {}
     for item in args.perturb_plan:
         comp, _, factor = item.partition("=")
@@ -78,16 +81,18 @@ def run(args: argparse.Namespace) -> int:
     cfg = load(args.config or accept.DEFAULT_CONFIG, args.set, settings_from_args(args))
     out = Path(args.output_dir)
     require_writable(out, "--output-dir")  # before any run: the reports must have somewhere to go
-    result = accept.accept(
-        cfg,
-        out_dir=out,
-        tolerance=args.tolerance,
-        perturb=perturb,
-        resume_steps=args.resume_steps,
-        resume_at=args.resume_at,
-        overfit_steps=args.overfit_steps,
-        nproc=args.nproc,
-    )
+    with Progress() as progress:
+        result = accept.accept(
+            cfg,
+            out_dir=out,
+            tolerance=args.tolerance,
+            perturb=perturb,
+            resume_steps=args.resume_steps,
+            resume_at=args.resume_at,
+            overfit_steps=args.overfit_steps,
+            nproc=args.nproc,
+            progress=progress,
+        )
     rec = RunRecord.from_json(dict(result["record"], memory=result["memory"]))
     try:
         row = registry.row_from_record(rec, kind="accept", verdict=result["verdict"], device=result["device_name"])
@@ -98,12 +103,12 @@ def run(args: argparse.Namespace) -> int:
     write_atomic(out / "accept.md", report.render_markdown(result))
     write_atomic(out / "accept.html", report.render_html(result))
     by_key = {c["key"]: c for c in result["checks"]}
-    print(f"trainplan accept: {result['verdict']} ({result['seconds']:.0f} s)")
+    print(f"trainplan accept: {result['verdict']}; {report.RUN_TIME} {report.run_wall_time(result)}")
     for f in result["failing"]:
         print(f"  FAIL  {f}")
     for key in result["order"]:
         c = by_key[key]
         status = "n/a " if c["passed"] is None else ("ok  " if c["passed"] else "FAIL")
-        print(f"  {status}  {c['name']}: {c['summary']}")
+        print(f"  {status}  {c['name']}: {c['summary']} ({duration(c['seconds'])})")
     print(f"reports: {out / 'accept.json'}, {out / 'accept.md'}, {out / 'accept.html'}")
     return 0 if result["verdict"] == "PASS" else 1

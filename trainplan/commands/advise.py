@@ -25,6 +25,7 @@ from trainplan.errors import ConfigError, nearest
 from trainplan.files import write_atomic
 from trainplan.resolve import resolve
 from trainplan.spec.model import load_model_spec
+from trainplan.text import is_terminal
 
 HELP = "search the memory ladder for configurations that fit every device, ranked, with estimated step time"
 MODE_CHOICES = ("auto", "full", "lora", "qlora", "inference")
@@ -141,9 +142,11 @@ def training_steps(args: argparse.Namespace, base: C.RunConfig, spec, global_bat
         raise ConfigError(
             "--epochs", "counting the data's tokens needs the model's own tokenizer", "give --tokens N instead"
         )
-    train_docs, _ = data.split_documents(data.load_documents(base.data.source), base.data.eval_fraction)
-    ids, _ = data.pack(train_docs, weights.load_tokenizer(base, spec), base.batch.seq_len, spec.vocab_size)
-    return max(1, math.ceil(args.epochs * ids.shape[0] / global_batch))
+    cache = data.cache_dir(base.model.cache_dir)
+    train_docs, _ = data.load(base.data, cache=cache)
+    tokenizer = weights.load_tokenizer(base, spec)
+    ids, _ = data.pack(train_docs, tokenizer, base.batch.seq_len, spec.vocab_size, cache=cache)
+    return data.steps_for_epochs(args.epochs, ids.shape[0], global_batch)
 
 
 # ---- ranking ---------------------------------------------------------------------------------
@@ -195,5 +198,5 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps(doc, indent=1))
     else:
-        print(render_text(s, doc, args))
+        print(render_text(s, doc, args, terminal=is_terminal()))
     return 0 if order else 1

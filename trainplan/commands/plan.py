@@ -6,6 +6,7 @@ import argparse
 import json
 
 from trainplan.commands._common import add_config_args, add_output_args, config_from_args, emit
+from trainplan.text import is_terminal
 
 HELP = "per-device memory ledger: will it fit, on each device, and why (exit 0 fits, 1 not, 2 bad input)"
 
@@ -25,5 +26,5 @@ def run(args: argparse.Namespace) -> int:
     elif args.markdown:
         emit(args, render_markdown(ledger))
     else:
-        emit(args, render_table(ledger))
+        emit(args, render_table(ledger, terminal=is_terminal(args.output)))
     return ledger.exit_code

@@ -7,7 +7,7 @@ import json
 
 from trainplan.commands._common import add_registry_arg
 from trainplan.errors import TrainplanError
-from trainplan.text import printable
+from trainplan.text import is_terminal
 
 HELP = "the run registry: list | show ID | compare A B"
 
@@ -28,13 +28,14 @@ def run(args: argparse.Namespace) -> int:
         raise TrainplanError(
             f"runs {args.action}: takes {want} run id(s), got {len(args.ids)}; `trainplan runs list` shows the ids"
         )
+    terminal = is_terminal()
     if args.action == "list":
         items = registry.rows(db)
-        print(json.dumps(items, indent=1) if args.json else printable(registry.render_list(items)))
+        print(json.dumps(items, indent=1) if args.json else registry.render_list(items, terminal=terminal))
     elif args.action == "show":
         item = registry.get(args.ids[0], db)
-        print(json.dumps(item, indent=1) if args.json else printable(registry.render_show(item)))
+        print(json.dumps(item, indent=1) if args.json else registry.render_show(item, terminal=terminal))
     else:
         a, b = (registry.get(i, db) for i in args.ids)
-        print(json.dumps([a, b], indent=1) if args.json else printable(registry.render_compare(a, b)))
+        print(json.dumps([a, b], indent=1) if args.json else registry.render_compare(a, b, terminal=terminal))
     return 0

@@ -7,6 +7,7 @@ import json
 
 from trainplan.commands import plan as plan_command
 from trainplan.commands._common import config_from_args, emit
+from trainplan.text import is_terminal
 
 HELP = "the exact plan: run the real model step on fake tensors and compare it with the analytic ledger"
 
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         }
         emit(args, json.dumps(doc, indent=1))
     else:
-        body = render_markdown(ledger) if args.markdown else render_table(ledger)
+        body = render_markdown(ledger) if args.markdown else render_table(ledger, terminal=is_terminal(args.output))
         emit(
             args,
             "\n".join(

@@ -10,9 +10,10 @@ from pathlib import Path
 from trainplan.commands._common import (
     EXIT_GUARD_STOP,
     add_config_args,
+    add_logging_args,
     add_registry_arg,
     config_from_args,
-    quiet_libraries,
+    setup_logging,
     warn,
 )
 
@@ -25,17 +26,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, help='training text: "default" (Python docs), .txt, dir of .txt, .jsonl')
     p.add_argument("--output-dir", default=None, help="where record.json goes (train.output_dir)")
     add_registry_arg(p)
+    add_logging_args(p)
 
 
 def summary(record) -> list[str]:
     """What `trainplan train` prints of a RunRecord."""
+    from trainplan.run.progress import duration
+
     before, after = record.eval_before, record.eval_after
     contract = record.contract
     lines = [
         f"held-out loss {before['loss']:.4f} -> {after['loss']:.4f}, perplexity {before['perplexity']:.2f} -> "
         f"{after['perplexity']:.2f}, token accuracy {before['token_accuracy']:.3f} -> "
-        f"{after['token_accuracy']:.3f}; {len(record.steps)} steps in {record.train_seconds or 0:.1f} s "
-        f"(wall {record.wall_seconds:.1f} s)",
+        f"{after['token_accuracy']:.3f}; {len(record.steps)} steps in {duration(record.train_seconds or 0)}, "
+        f"run wall time {duration(record.wall_seconds)}",
         f"contract ({contract['mode']}): {'PASS' if contract['passed'] else 'FAIL'} - {contract['detail']}",
         f"record: {Path(record.config['train']['output_dir']) / 'record.json'}",
     ]
@@ -84,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from trainplan.config import toml_literal
     from trainplan.run import dist
 
-    quiet_libraries()
+    setup_logging(args)
     for flag, key in (("steps", "train.steps"), ("data", "data.source"), ("output_dir", "train.output_dir")):
         if getattr(args, flag) is not None:
             args.set.insert(0, f"{key}={toml_literal(getattr(args, flag))}")

@@ -6,7 +6,14 @@ import argparse
 import json
 from pathlib import Path
 
-from trainplan.commands._common import add_config_args, check_nproc, config_from_args, settings_from_args
+from trainplan.commands._common import (
+    add_config_args,
+    add_logging_args,
+    check_nproc,
+    config_from_args,
+    settings_from_args,
+    setup_logging,
+)
 from trainplan.config import toml_literal
 from trainplan.errors import TrainplanError
 
@@ -21,10 +28,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default="runs/verify-resume", help="where the three runs write")
     p.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun --standalone) for DDP / ZeRO-1")
     p.add_argument("--json", action="store_true")
+    add_logging_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
-
+    setup_logging(args)
     config_from_args(args)  # validate before starting three processes
 
     # every flag reaches the three runs as --set, ahead of the user's own --set (which win)
@@ -37,17 +45,20 @@ def run(args: argparse.Namespace) -> int:
         raise TrainplanError(f"--steps: must be >= 2 (got {args.steps}); e.g. --steps 6")
     if not 0 < args.at < args.steps:
         raise TrainplanError(f"--at: must be between 1 and {args.steps - 1} (got {args.at}); choose k < N")
+    from trainplan.run.progress import Progress
     from trainplan.verify.resume import verify
 
     try:
-        result = verify(
-            passthrough,
-            steps=args.steps,
-            at=args.at,
-            workdir=Path(args.workdir),
-            tolerance=args.tolerance,
-            nproc=args.nproc,
-        )
+        with Progress(grace_s=0) as progress:  # the input is checked: nothing to hold back
+            result = verify(
+                passthrough,
+                steps=args.steps,
+                at=args.at,
+                workdir=Path(args.workdir),
+                tolerance=args.tolerance,
+                nproc=args.nproc,
+                progress=progress,
+            )
     except RuntimeError as e:
         raise TrainplanError(f"verify-resume: {e}") from None
     if args.json:

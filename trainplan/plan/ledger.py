@@ -263,45 +263,45 @@ def _phases(cols: list[tuple[str, DeviceLedger]]) -> list[str]:
     return list(seen)
 
 
-def render_table(ledger: Ledger) -> str:
+def render_table(ledger: Ledger, *, terminal: bool = False) -> str:
+    """The ledger as text: a table of components per device (identical devices share a column),
+    the verdict, and why each component costs what it does. 100 columns wide off a terminal."""
+    from trainplan.text import cell, columns, render, table, wrap
+
     cols = _group(ledger)
-    head = ["component"] + [t for t, _ in cols]
-    rows = [head, [""] + [d.device.name for _, d in cols], [""] + [d.role for _, d in cols]]
+    t = table("component", *(f"{title}\n{d.device.name}\n{d.role}>" for title, d in cols))
     for comp in COMPONENTS:
         vals = [d.components[comp] for _, d in cols]
-        if not any(vals):
-            continue
-        rows.append([comp] + [f"{v / GiB:.2f}" for v in vals])
-    rows.append(["TOTAL (GiB)"] + [f"{d.total_bytes / GiB:.2f}" for _, d in cols])
-    rows.append(["capacity (GiB)"] + [f"{d.usable_bytes / GiB:.2f}" for _, d in cols])
-    rows.append(["headroom (GiB)"] + [f"{d.headroom_bytes / GiB:+.2f}" for _, d in cols])
-    rows.append(["peak phase"] + [d.peak_phase for _, d in cols])
+        if any(vals):
+            t.add_row(comp, *(f"{v / GiB:.2f}" for v in vals))
+    t.add_section()
+    t.add_row("TOTAL (GiB)", *(f"{d.total_bytes / GiB:.2f}" for _, d in cols), style="bold")
+    t.add_row("capacity (GiB)", *(f"{d.usable_bytes / GiB:.2f}" for _, d in cols))
+    t.add_row("headroom (GiB)", *(f"{d.headroom_bytes / GiB:+.2f}" for _, d in cols))
+    t.add_row("peak phase", *(d.peak_phase for _, d in cols))
     for phase in _phases(cols):
-        totals = [f"{d.phase_total(phase) / GiB:.2f}" if phase in d.phases else "-" for _, d in cols]
-        rows.append([f"  at {phase}", *totals])
-    rows.append(["verdict"] + ["fits" if d.fits else "DOES NOT FIT" for _, d in cols])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = [
-        "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True)))
-        for r in rows
-    ]
-    rule = "-" * max(len(x) for x in lines)
-    total_at = next(i for i, r in enumerate(rows) if r[0] == "TOTAL (GiB)")
-    lines = lines[:3] + [rule] + lines[3:total_at] + [rule] + lines[total_at:]
-    out = [
+        t.add_row(
+            f"  at {phase}", *(f"{d.phase_total(phase) / GiB:.2f}" if phase in d.phases else "-" for _, d in cols)
+        )
+    t.add_row("verdict", *(cell("fits", "green") if d.fits else cell("DOES NOT FIT", "bold red") for _, d in cols))
+    width = columns(terminal)
+    head = (
         f"trainplan plan — {ledger.model['name']} ({ledger.model['params'] / 1e6:,.1f}M params), "
-        f"{ledger.settings['summary']}",
-        "",
-    ]
-    out += lines
-    out += ["", ledger.verdict(), ""]
+        f"{ledger.settings['summary']}"
+    )
     first = cols[0][1]
-    out.append(f"Why ({first.label}, {first.peak_phase} peak):")
+    why = [f"Why ({first.label}, {first.peak_phase} peak):"]
     if first.peak_phase in first.explain:
-        out.append(f"  {first.peak_phase}: {first.explain[first.peak_phase]}")
-    out += [f"  {c}: {first.explain[c]}" for c in COMPONENTS if first.components[c] and c in first.explain]
+        why.append(wrap(f"{first.peak_phase}: {first.explain[first.peak_phase]}", indent="  ", width=width))
+    why += [
+        wrap(f"{c}: {first.explain[c]}", indent="  ", width=width)
+        for c in COMPONENTS
+        if first.components[c] and c in first.explain
+    ]
+    out = [wrap(head, width=width), "", render(t, terminal=terminal), "", wrap(ledger.verdict(), width=width), ""]
+    out += why
     if ledger.notes:
-        out += ["", "Notes:"] + [f"  - {n}" for n in ledger.notes]
+        out += ["", "Notes:"] + [wrap(f"- {n}", indent="  ", hang="  ", width=width) for n in ledger.notes]
     return "\n".join(out)
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from trainplan.config import RunConfig
 from trainplan.errors import TrainplanError
+from trainplan.resolve import with_lora_modules
 from trainplan.run import loss, qlora
 from trainplan.spec.model import ModelSpec, fused_loss_applies
 from trainplan.spec.parallel import ParallelDims
@@ -124,7 +125,7 @@ def build_model(
         )
     if cfg.mode == "qlora":
         qlora.swap_linears(model, spec, compute_dtype=dt.compute, frozen_dtype=dt.frozen)
-    model = apply_mode(model, cfg)
+    model = apply_mode(model, with_lora_modules(cfg, spec))  # target sets expanded, however cfg came
     tp = dims.tp if dims is not None else 1
     if fused_loss_applies(spec, enabled=cfg.train.fused_loss, mode=cfg.mode, tp=tp):
         loss.install(model, cfg.train.loss_chunk_tokens)

@@ -1,107 +1,95 @@
-"""Training data: sources, tokenization, packing, a split by document, and a stateful sampler.
+"""Training data: sources, formats, tokenization (cached), packing, the held-out split, and a
+stateful sampler.
 
-Sources:
+Sources (`data.source`, and `data.eval_source` for a separate held-out set; run/sources.py reads them):
 - "default": the Python documentation every CPython ships (`pydoc_data.topics`), one document
   per topic;
 - a .txt file (one document), or a directory of .txt files (one document each);
-- .jsonl with `text`, with `prompt`/`completion` (loss on the completion only), or with chat
-  `messages` (rendered with the tokenizer's chat template, loss on assistant turns only).
+- a .jsonl / .json (JSON lines or one array of objects) / .parquet / .csv file, or a directory of
+  one kind of them, read by `datasets`: one document per row;
+- "owner/name" (or "owner/name:split"; default split "train"): a dataset already in the local
+  Hugging Face hub cache, read offline (fetch it with `hf download owner/name --repo-type dataset`).
+
+Formats (`data.format`, "auto": the first whose columns a row has, in this order):
+- messages: `messages`, a list of {"role", "content"}: a chat;
+- sharegpt: `conversations`, a list of {"from": human | gpt | system, "value"}: a chat;
+- alpaca: `instruction`, optional `input`, `output`: the prompt is built from instruction and input;
+- prompt-completion: `prompt` and `completion`;
+- text: `text`: loss on every token.
+Loss is taken on the response only: the completion, the Alpaca output, the assistant turns of a
+chat (its header such as "<|im_start|>assistant\\n" is prompt, its end-of-turn is learned). With a
+tokenizer that has a chat template, prompt/completion and Alpaca rows are rendered through it as
+one user and one assistant turn; without one, the prompt is the plain text (Alpaca's: the Stanford
+Alpaca prompt) followed by the completion, and chats are refused.
 
 Documents are split into train and held-out evaluation *before* packing, so no document crosses
-the split. Each split is packed into fixed-length sequences (EOS between documents) and
-shuffled deterministically by seed, epoch by epoch.
+the split; a document goes to eval by a hash of its name (file:line for rows), so the split is
+stable under reordering. A source of fewer than 2 documents (one .txt corpus) is cut into chunks
+of whole lines (`chunks`), each a document of the split. With `data.eval_source` nothing of
+`data.source` is held out. Each split is packed into fixed-length sequences (EOS after each
+document) and shuffled deterministically by seed, epoch by epoch.
+
+Tokenization is cached with `datasets` (`Dataset.map` to an Arrow file) under
+`<model.cache_dir>/datasets/` (default ~/.cache/trainplan/datasets), next to the converted default
+model, together with the Arrow copies `datasets` makes of the source files. The file is named by
+a fingerprint of the documents, the tokenizer (its vocabulary, merges, normalizer, chat template)
+and this module's tokenization version, never the sequence length: a rerun with the same data and
+tokenizer reads the token ids back instead of tokenizing again. Deleting the folder is safe.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import math
 from pathlib import Path
 
 import torch
 
 from trainplan.errors import ConfigError
+from trainplan.run import sources
+from trainplan.run.sources import Document
 
 IGNORE_INDEX = -100
+TOKENIZE_VERSION = 1  # bump when `tokenize` changes what it returns: cached token ids go stale
+CHUNK_CHARS = 4000  # a single text corpus is split in chunks of about this many characters
+MIN_CHUNKS = 10  # ... or in at least this many, for a short text (chunks of >= 200 characters)
 
 
-@dataclass(frozen=True)
-class Document:
-    name: str
-    text: str = ""
-    prompt: str = ""
-    completion: str = ""
-    messages: tuple = ()
+def cache_dir(model_cache_dir: str) -> str:
+    """Where `datasets` keeps its Arrow copies of the sources and the cached token ids."""
+    return str(Path(model_cache_dir).expanduser() / "datasets")
 
 
-def load_documents(source: str) -> list[Document]:
-    if source == "default":
-        import pydoc_data.topics as topics
+def load(data_cfg, *, cache: str | None = None) -> tuple[list[Document], list[Document]]:
+    """The training and held-out documents of a DataConfig: `eval_source` when given, else
+    `eval_fraction` of `source` held out."""
+    docs = load_documents(data_cfg.source, data_cfg.format, cache=cache)
+    if data_cfg.eval_source:
+        return docs, load_documents(data_cfg.eval_source, data_cfg.format, field="data.eval_source", cache=cache)
+    return split_documents(docs, data_cfg.eval_fraction)
 
-        return [Document(name=k, text=v) for k, v in sorted(topics.topics.items())]
-    path = Path(source)
-    if path.is_dir():
-        docs = [Document(name=p.name, text=p.read_text(errors="replace")) for p in sorted(path.glob("*.txt"))]
-    elif path.suffix == ".jsonl" and path.is_file():
-        try:
-            docs = _read_jsonl(path)
-        except UnicodeDecodeError as e:
-            raise ConfigError(
-                "data.source", f"{source!r} is not UTF-8 text (byte {e.start})", "give a UTF-8 JSONL file"
-            ) from None
-    elif path.is_file():
-        if b"\x00" in path.read_bytes()[:65536]:
-            raise ConfigError("data.source", f"{source!r} is binary, not text", "give a .txt or .jsonl file of text")
-        docs = [Document(name=path.name, text=path.read_text(errors="replace"))]
-    else:
-        raise ConfigError(
-            "data.source",
-            f"no such file or directory {source!r}",
-            'give a .txt file, a directory of .txt files, a .jsonl file, or "default"',
-        )
+
+def load_documents(
+    source: str, fmt: str = "auto", *, field: str = "data.source", cache: str | None = None
+) -> list[Document]:
+    docs = sources.read(source, fmt, field, cache)
     docs = [d for d in docs if d.text.strip() or d.completion.strip() or d.messages]
     if not docs:
-        raise ConfigError("data.source", f"{source!r} holds no non-empty document", "point it at real text")
-    return docs
-
-
-def _read_jsonl(path: Path) -> list[Document]:
-    docs = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path.name} line {n}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(
-                "data.source", f"{where}: invalid JSON ({e.msg})", "each line must be one JSON object"
-            ) from None
-        if not isinstance(row, dict):
-            raise ConfigError("data.source", f"{where} is not a JSON object", 'write {"text": ...} per line')
-        if "messages" in row:
-            docs.append(Document(name=f"{path.name}:{n}", messages=_messages(row["messages"], where)))
-        elif "prompt" in row and "completion" in row:
-            docs.append(Document(name=f"{path.name}:{n}", prompt=str(row["prompt"]), completion=str(row["completion"])))
-        elif "text" in row:
-            docs.append(Document(name=f"{path.name}:{n}", text=str(row["text"])))
-        else:
-            raise ConfigError(
-                "data.source",
-                f"{where} has keys {sorted(row)}",
-                'each line needs "text", "prompt"+"completion", or "messages"',
-            )
+        raise ConfigError(field, f"{source!r} holds no non-empty document", "point it at real text")
     return docs
 
 
 def split_documents(docs: list[Document], eval_fraction: float) -> tuple[list[Document], list[Document]]:
-    """Split by document, stable under reordering: a document goes to eval by a hash of its name."""
+    """Split by document, stable under reordering: a document goes to eval by a hash of its name.
+    Fewer than 2 documents (a single text corpus) are cut into chunks first."""
+    if len(docs) < 2:
+        docs = [c for d in docs for c in chunks(d)]
     if len(docs) < 2:
         raise ConfigError(
             "data.source",
             f"{len(docs)} document(s): a held-out split needs at least 2",
-            "add documents (one .txt per document, or one JSONL row per document)",
+            "add documents, or give a separate evaluation set in data.eval_source",
         )
 
     def bucket(d: Document) -> float:
@@ -112,68 +100,156 @@ def split_documents(docs: list[Document], eval_fraction: float) -> tuple[list[Do
     return ordered[n_eval:], ordered[:n_eval]
 
 
+def chunks(doc: Document) -> list[Document]:
+    """A text document cut into pieces of whole lines, about CHUNK_CHARS long (fewer, shorter
+    ones for a short text), named `<name>#<i>`. A line longer than two chunks is cut mid-line.
+    Rows of other formats are not cut."""
+    if not doc.text:
+        return [doc]
+    text = doc.text
+    size = max(200, min(CHUNK_CHARS, len(text) // MIN_CHUNKS))
+    pieces, start = [], 0
+    while start < len(text):
+        end = start + size
+        newline = text.find("\n", end - 1)
+        if end >= len(text) or newline == -1 and len(text) - start < 2 * size:
+            end = len(text)
+        elif newline != -1 and newline + 1 - start <= 2 * size:
+            end = newline + 1
+        pieces.append(text[start:end])
+        start = end
+    return [Document(name=f"{doc.name}#{i}", text=p) for i, p in enumerate(pieces) if p.strip()]
+
+
 def tokenize(doc: Document, tokenizer) -> tuple[list[int], list[int]]:
     """(input_ids, labels) with labels masked to IGNORE_INDEX where no loss is taken."""
-    if doc.messages:
-        ids, labels = [], []
-        for i in range(len(doc.messages)):
-            prefix = tokenizer.apply_chat_template(list(doc.messages[: i + 1]), tokenize=True)
-            prefix = list(prefix["input_ids"] if hasattr(prefix, "keys") else prefix)
-            new = prefix[len(ids) :]
-            ids += new
-            assistant = doc.messages[i].get("role") == "assistant"
-            labels += new if assistant else [IGNORE_INDEX] * len(new)
-        return ids, labels
+    if doc.messages and getattr(tokenizer, "chat_template", None):
+        return _chat(doc, tokenizer)
     if doc.completion or doc.prompt:
         p = tokenizer(doc.prompt, add_special_tokens=False)["input_ids"]
         c = tokenizer(doc.completion, add_special_tokens=False)["input_ids"]
         return p + c, [IGNORE_INDEX] * len(p) + c
+    if doc.messages:
+        raise ConfigError(
+            "data.format",
+            f"{doc.name} is a chat, but the model's tokenizer has no chat template",
+            "use a model with a chat template, or write the data as prompt/completion or text",
+        )
     ids = tokenizer(doc.text, add_special_tokens=False)["input_ids"]
     return ids, list(ids)
 
 
-def _messages(value, where: str) -> tuple:
-    """A chat: a list of {"role": str, "content": str}, as chat templates expect."""
-    if (
-        not isinstance(value, list)
-        or not value
-        or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+def _chat(doc: Document, tokenizer) -> tuple[list[int], list[int]]:
+    """Render the chat turn by turn; each turn's new text is learned if it is the assistant's
+    reply (from after its header, e.g. "<|im_start|>assistant\\n", to its end of turn)."""
+    ids: list[int] = []
+    labels: list[int] = []
+    rendered = ""
+
+    def add(text: str, learned: bool) -> None:
+        nonlocal rendered
+        if not text.startswith(rendered):
+            raise ConfigError(
+                "data.format",
+                f"{doc.name}: the chat template does not render this conversation turn by turn, so the "
+                "assistant's turns cannot be told apart",
+                "use a model whose template renders each turn as a prefix of the next, or data.format=text",
+            )
+        new = tokenizer(text[len(rendered) :], add_special_tokens=False)["input_ids"]
+        ids.extend(new)
+        labels.extend(new if learned else [IGNORE_INDEX] * len(new))
+        rendered = text
+
+    messages = list(doc.messages)
+    for i, message in enumerate(messages):
+        assistant = message["role"] == "assistant"
+        if assistant and i:
+            add(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True), False)
+        add(tokenizer.apply_chat_template(messages[: i + 1], tokenize=False), assistant)
+    return ids, labels
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """The tokenizer's identity: everything that decides the ids `tokenize` returns."""
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps([getattr(tokenizer, "chat_template", None), str(tokenizer.all_special_tokens)]).encode())
+    return h.hexdigest()[:16]
+
+
+def tokenized(docs: list[Document], tokenizer, cache: str | None = None):
+    """A `datasets.Dataset` of each document's `input_ids` and `labels`. With `cache`, the
+    result is an Arrow file there named by documents + tokenizer + TOKENIZE_VERSION, read back on
+    a rerun instead of tokenizing again."""
+    import datasets
+
+    key = hashlib.sha256(f"{fingerprint(docs)} {tokenizer_fingerprint(tokenizer)} {TOKENIZE_VERSION}".encode())
+    key = key.hexdigest()[:32]
+
+    def encode(batch: dict) -> dict:
+        pairs = [tokenize(docs[i], tokenizer) for i in batch["index"]]
+        return {"input_ids": [p[0] for p in pairs], "labels": [p[1] for p in pairs]}
+
+    token_list = datasets.List(datasets.Value("int64"))
+    where = {"keep_in_memory": True}
+    if cache is not None:
+        Path(cache).mkdir(parents=True, exist_ok=True)
+        where = {"cache_file_name": str(Path(cache) / f"tokens-{key}.arrow"), "load_from_cache_file": True}
+    with sources.quiet():
+        return datasets.Dataset.from_dict({"index": list(range(len(docs)))}).map(
+            encode,
+            batched=True,
+            remove_columns=["index"],
+            features=datasets.Features({"input_ids": token_list, "labels": token_list}),
+            new_fingerprint=key,
+            **where,
         )
-    ):
-        raise ConfigError(
-            "data.source",
-            f'{where}: messages must be a non-empty list of {{"role": ..., "content": ...}} objects',
-            'write e.g. "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]',
-        )
-    return tuple(value)
 
 
 def pack(
-    docs: list[Document], tokenizer, seq_len: int, vocab_size: int, *, split: str = "the split"
+    docs: list[Document],
+    tokenizer,
+    seq_len: int,
+    vocab_size: int,
+    *,
+    split: str = "the split",
+    cache: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate documents (EOS after each) and cut into (n, seq_len) ids and labels."""
+    import numpy as np
+
+    table = tokenized(docs, tokenizer, cache)
     eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    labels: list[int] = []
-    for doc in docs:
-        doc_ids, doc_labels = tokenize(doc, tokenizer)
-        ids += doc_ids + ([eos] if eos is not None else [])
-        labels += doc_labels + ([eos] if eos is not None else [])
-    if ids and max(ids) >= vocab_size:
+    columns = []
+    for name in ("input_ids", "labels"):
+        tokens = table.data.column(name).combine_chunks()
+        flat = tokens.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+        if eos is not None:  # after each document: at the running end of its tokens
+            ends = np.cumsum(tokens.value_lengths().to_numpy(zero_copy_only=False))
+            flat = np.insert(flat, ends, eos)
+        columns.append(flat)
+    ids, labels = columns
+    if ids.size and ids.max() >= vocab_size:
         raise ConfigError(
             "model.tokenizer",
-            f"token id {max(ids)} is outside the model's vocabulary of {vocab_size}",
+            f"token id {ids.max()} is outside the model's vocabulary of {vocab_size}",
             "use the tokenizer that belongs to the model",
         )
-    n = len(ids) // seq_len
+    n = ids.size // seq_len
     if n == 0:
         raise ConfigError(
             "batch.seq_len",
-            f"{seq_len} is longer than {split} ({len(ids)} tokens)",
+            f"{seq_len} is longer than {split} ({ids.size} tokens)",
             "lower batch.seq_len, add data, or change data.eval_fraction",
         )
-    return (torch.tensor(ids[: n * seq_len]).view(n, seq_len), torch.tensor(labels[: n * seq_len]).view(n, seq_len))
+    return (
+        torch.from_numpy(ids[: n * seq_len].copy()).view(n, seq_len),
+        torch.from_numpy(labels[: n * seq_len].copy()).view(n, seq_len),
+    )
 
 
 def fingerprint(docs: list[Document]) -> str:
@@ -231,3 +307,8 @@ class StatefulSampler:
             consumed = state["position"] * old_world
             self.position = -(-consumed // self.world)  # round up: never replay a sample
         self._order = self._permutation()
+
+
+def steps_for_epochs(epochs: float, sequences: int, global_batch: int) -> int:
+    """Optimizer steps for `epochs` passes over `sequences` packed training sequences."""
+    return max(1, math.ceil(epochs * sequences / global_batch))

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,24 +23,39 @@ from trainplan.errors import TrainplanError
 from trainplan.run import contract, dist, evaluate, measure, record, result, step
 from trainplan.run.checkpoint.manager import CheckpointManager
 from trainplan.run.guard import StepGuard
+from trainplan.run.progress import Progress
 from trainplan.run.setup import Job, TrainState, prepare, train_state
+from trainplan.run.trackers import Trackers, require
 
 
-def run(cfg: C.RunConfig, *, quiet: bool = False) -> tuple[record.RunRecord, dist.DistEnv]:
-    """Run the job described by cfg; returns the run record and the process group's environment."""
+def run(
+    cfg: C.RunConfig, *, quiet: bool = False, progress: Progress | None = None
+) -> tuple[record.RunRecord, dist.DistEnv]:
+    """Run the job described by cfg; returns the run record and the process group's environment.
+
+    quiet: no progress at all. progress: the caller's reporter (accept's, for its runs); by
+    default the run has its own, at train.log_every / log_every_s, on the main rank."""
     env = dist.init(cfg.parallel.timeout_s)
+    require(cfg.train.report_to)  # a logger whose package is missing is refused before anything is created
+    own = progress is None or quiet or not env.is_main
+    if own:
+        progress = Progress.for_config(cfg.train, enabled=not quiet and env.is_main)
     t_start = time.perf_counter()
-    job = None
+    job, trackers, status = None, Trackers(), "error"
     try:
         with Interrupts() as interrupts:
-            job = prepare(cfg, env)
-            trainer = Trainer(job, quiet=quiet)
+            job = prepare(cfg, env, progress)
+            progress.commit()  # past every refusal of the input: what was held back is shown
+            trackers = Trackers.open(job.cfg, main=env.is_main)
+            trainer = Trainer(job, progress=progress, trackers=trackers)
             trainer.record.eval_before = trainer.evaluate()
             if job.training:
                 trainer.train(interrupts)
             else:
                 trainer.infer()
-        return _conclude(trainer, cfg, env, t_start), env
+        rec = _conclude(trainer, cfg, env, t_start)
+        status = "interrupted" if rec.interrupted else "ok"
+        return rec, env
     except RuntimeError as e:
         if env.world > 1 and dist.is_peer_timeout(e):
             raise TrainplanError(
@@ -48,7 +63,10 @@ def run(cfg: C.RunConfig, *, quiet: bool = False) -> tuple[record.RunRecord, dis
                 f"answer ({str(e).splitlines()[0][:160]}); find the stuck or dead rank, or raise parallel.timeout_s"
             ) from None
         raise
-    finally:
+    finally:  # on every path: event files flushed, the heartbeat stopped
+        trackers.close(status)
+        if own:
+            progress.close(ok=status != "error")
         for lock in job.locks if job else ():
             lock.release()
 
@@ -57,6 +75,7 @@ def _conclude(trainer: Trainer, cfg: C.RunConfig, env: dist.DistEnv, t_start: fl
     """After the loop: the measured final evaluation, the phase peaks and the mode contract."""
     rec = trainer.record
     rec.eval_after = trainer.evaluate(measured=trainer.job.training)
+    trainer.trackers.evaluation(trainer.state.step if trainer.state else 0, rec.eval_after)
     if cfg.train.measure_memory:
         peaks = {"device": str(env.device), "load": trainer.job.load_peak_bytes, **trainer.phase_peaks}
         rec.phase_memory = {"per_rank": env.gather(peaks)}
@@ -73,10 +92,13 @@ def _conclude(trainer: Trainer, cfg: C.RunConfig, env: dist.DistEnv, t_start: fl
 
 class Trainer:
     """One run's parts, injected: the job, its model (wrapped for data parallelism), the training
-    state, the checkpoint manager and the stability guard; `train()` is the loop."""
+    state, the checkpoint manager, the stability guard, the progress reporter and the metrics
+    loggers; `train()` is the loop."""
 
-    def __init__(self, job: Job, *, quiet: bool = False) -> None:
-        self.job, self.env, self.quiet = job, job.env, quiet
+    def __init__(self, job: Job, *, progress: Progress | None = None, trackers: Trackers | None = None) -> None:
+        self.job, self.env = job, job.env
+        self.progress = progress or Progress.off()
+        self.trackers = trackers or Trackers()
         self.model = dist.wrap(job.model, job.resolved.dims, job.env) if job.training else job.model
         self.before = contract.snapshot(self.model)
         self.record = record.header(job)
@@ -107,8 +129,11 @@ class Trainer:
     def evaluate(self, *, measured: bool = False) -> dict:
         """The held-out metric; `measured`: the evaluate phase's peak is recorded (after training,
         when the optimizer state exists, as the plan's evaluate phase assumes)."""
-        with self._meter("evaluate") if measured else contextlib.nullcontext():
-            return self._evaluate()
+        meter = self._meter("evaluate") if measured else contextlib.nullcontext()
+        with self.progress.stage("evaluate") as stage, meter:
+            metrics = self._evaluate()
+            stage.result = f"held-out loss {metrics['loss']:.4f} over {metrics['tokens']:,} tokens"
+            return metrics
 
     def _evaluate(self) -> dict:
         job = self.job
@@ -137,6 +162,7 @@ class Trainer:
                 )
             rec.memory = {"step": 0, "per_rank": env.gather(meter.result())}
         rec.generation = generate(self.model, job.tokenizer, env)
+        self.trackers.evaluation(0, rec.eval_before)
 
     def train(self, interrupts: Interrupts | None = None) -> None:
         cfg, rec = self.job.cfg, self.record
@@ -150,44 +176,48 @@ class Trainer:
         injections = cfg.guard.injections()
         guard = StepGuard(state.guard, self.env)
         rec.guard = {"events": state.guard.events, "settings": dataclasses.asdict(cfg.guard)}
-        t_train = time.perf_counter()
-        while state.step < cfg.train.steps:
-            signum = interrupts.agreed(self.env)
-            if signum:  # at a step boundary: keep a checkpoint of where the run got to
-                if state.step > start:
-                    ckpt.save(state, force=True)
-                rec.interrupted = {"signal": signal.Signals(signum).name, "code": 128 + signum, "step": state.step}
-                break
-            if "sigint" in injections.get(state.step + 1, ()):  # fault injection (tests): Ctrl-C now
-                os.kill(os.getpid(), signal.SIGINT)
-            if "hang" in injections.get(state.step + 1, ()) and self.env.rank == self.env.world - 1:
-                os.kill(os.getpid(), signal.SIGSTOP)  # fault injection (tests): a hung peer
-            entry = self.step(
-                state, guard, fixed, metered=state.step == measure_at, inject=injections.pop(state.step + 1, ())
-            )
-            event = guard.event
-            if event is not None:
-                self.report(event)
-                if event["action"] == "rollback" and ckpt.rollback(state, event):
-                    continue
-                if event["action"] == "stop":
-                    ckpt.save(state, force=True)
-                    rec.stopped = event
+        if start == 0:  # a resumed run's eval_before was of the weights before its checkpoint loaded
+            self.trackers.evaluation(0, rec.eval_before)
+        with self.progress.training(cfg.train.steps, start) as stage:
+            t_train = time.perf_counter()
+            while state.step < cfg.train.steps:
+                signum = interrupts.agreed(self.env)
+                if signum:  # at a step boundary: keep a checkpoint of where the run got to
+                    if state.step > start:
+                        ckpt.save(state, force=True)
+                    rec.interrupted = {"signal": signal.Signals(signum).name, "code": 128 + signum, "step": state.step}
                     break
-            if cfg.train.eval_every and state.step % cfg.train.eval_every == 0 and state.step < cfg.train.steps:
-                entry["eval"] = self.evaluate()
-            if ckpt.due(state.step):
-                ckpt.save(state)
-            self.progress(entry)
-            if cfg.train.stop_after and state.step >= cfg.train.stop_after:
-                break
-        if self.show_progress:
-            sys.stderr.write("\n")
-        rec.train_seconds = time.perf_counter() - t_train
+                if "sigint" in injections.get(state.step + 1, ()):  # fault injection (tests): Ctrl-C now
+                    os.kill(os.getpid(), signal.SIGINT)
+                if "hang" in injections.get(state.step + 1, ()) and self.env.rank == self.env.world - 1:
+                    os.kill(os.getpid(), signal.SIGSTOP)  # fault injection (tests): a hung peer
+                entry = self.step(
+                    state, guard, fixed, metered=state.step == measure_at, inject=injections.pop(state.step + 1, ())
+                )
+                event = guard.event
+                if event is not None:
+                    self.report(event)
+                    if event["action"] == "rollback" and ckpt.rollback(state, event):
+                        continue
+                    if event["action"] == "stop":
+                        ckpt.save(state, force=True)
+                        rec.stopped = event
+                        break
+                if cfg.train.eval_every and state.step % cfg.train.eval_every == 0 and state.step < cfg.train.steps:
+                    entry["eval"] = self.evaluate()
+                if ckpt.due(state.step):
+                    ckpt.save(state)
+                self.progress.step(entry)
+                self.trackers.step(entry)
+                if cfg.train.stop_after and state.step >= cfg.train.stop_after:
+                    break
+            rec.train_seconds = time.perf_counter() - t_train
+            stage.result = f"at step {state.step}/{cfg.train.steps}, {state.tokens_seen:,} tokens seen"
         rec.sampler = state.sampler.state_dict()
         rec.final = record.fingerprints(self.model, state, self.job.resolved.batch)
-        with self._meter("save"):
-            rec.result = result.save(self.model, self.job.tokenizer, cfg.mode, Path(cfg.train.output_dir), self.env)
+        out = Path(cfg.train.output_dir)
+        with self.progress.stage("save", f"the {cfg.mode} result to {out / result.DIRNAME}"), self._meter("save"):
+            rec.result = result.save(self.model, self.job.tokenizer, cfg.mode, out, self.env)
 
     def step(self, state: TrainState, guard: StepGuard, fixed: list, *, metered: bool, inject) -> dict:
         """One optimizer step over the accumulation window; appends and returns its record entry."""
@@ -235,26 +265,12 @@ class Trainer:
 
     def report(self, event: dict) -> None:
         self.state.guard.events.append(event)
-        if self.env.is_main:
-            print(
+        if self.env.is_main:  # a warning: shown under --quiet too
+            self.progress.line(
                 f"trainplan train: guard: step {event['step']} {event['key']} {event['kind']} "
                 f"({event['value']:.4g}) -> {event['action']}",
-                file=sys.stderr,
+                logging.WARNING,
             )
-
-    @property
-    def show_progress(self) -> bool:
-        return not self.quiet and self.env.is_main and sys.stderr.isatty()
-
-    def progress(self, entry: dict) -> None:
-        if not self.show_progress:
-            return
-        steps = self.job.cfg.train.steps
-        mem = entry["memory"].get("max_allocated_bytes", entry["memory"].get("max_rss_bytes", 0)) / 2**30
-        sys.stderr.write(
-            f"\r[{'#' * int(20 * entry['step'] / steps):20s}] step {entry['step']}/{steps} "
-            f"loss {entry['loss']:.4f} {entry['tokens_per_s']:.0f} tok/s {mem:.1f} GiB"
-        )
 
 
 def generate(model, tokenizer, env: dist.DistEnv, prompt: str = "def fibonacci(n):", tokens: int = 16) -> dict:

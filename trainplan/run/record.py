@@ -38,15 +38,21 @@ class RunRecord:
     data: dict  # source, fingerprint, documents and sequences per split
     model: dict  # ModelSpec.summary()
     batch: dict  # micro_batch_size, grad_accum_steps, global, seq_len
-    steps: list[dict] = field(default_factory=list)  # step, loss, grad_norm, lr, tokens, seconds, memory
+    # per step: step, loss, grad_norm, lr, tokens, tokens_per_s, seconds, memory; and "eval" (the
+    # held-out metric) on every train.eval_every-th step
+    steps: list[dict] = field(default_factory=list)
     eval_before: dict | None = None  # loss, perplexity, token_accuracy, tokens
     eval_after: dict | None = None
     contract: dict | None = None  # mode, passed, detail
+    # The run's one duration ("run wall time"): process-group start to the record's conclusion
+    # (load, evaluations, steps, save). The reports, `trainplan runs` and accept's verdict line show it.
     wall_seconds: float | None = None
-    train_seconds: float | None = None
+    train_seconds: float | None = None  # the training steps alone, a part of wall_seconds
     memory: dict | None = None  # the measured step: {"step", "per_rank": [StepMeter.result()]}
     phase_memory: dict | None = None  # the run around the step: {"per_rank": [{"device", "load", "evaluate", "save"}]}
     generation: dict | None = None  # inference: prompt and completion
+    # accept: greedy completions of held-out prompts by the base and the result, [{prompt, before, after}]
+    samples: list[dict] | None = None
     resume: dict | None = None  # what was resumed from, and what was skipped
     guard: dict | None = None  # the guard's settings and the events it acted on
     stopped: dict | None = None  # the event that stopped the run

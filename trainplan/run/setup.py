@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from trainplan.files import DirLock, require_writable
 from trainplan.resolve import Resolved, require_runnable, resolve
 from trainplan.run import data, dist, guard, measure, step, weights
 from trainplan.run.checkpoint.manager import checkpoint_root, refuse_foreign
+from trainplan.run.progress import Progress
 from trainplan.run.record import device_label
 from trainplan.spec.devices import parse_devices
 
@@ -48,9 +48,11 @@ class Job:
         return self.cfg.mode != "inference"
 
 
-def prepare(cfg: C.RunConfig, env: dist.DistEnv) -> Job:
+def prepare(cfg: C.RunConfig, env: dist.DistEnv, progress: Progress | None = None) -> Job:
     """Resolve the config for the devices actually present, refuse what the engine cannot run,
-    then build data and model."""
+    then build data and model (the stages load data, tokenize and load weights, reported to
+    `progress`)."""
+    progress = progress or Progress.off()
     if cfg.checkpoint.resume == "auto" and not (cfg.train.output_dir or cfg.checkpoint.dir):
         raise C.ConfigError(
             "checkpoint.resume",
@@ -65,16 +67,20 @@ def prepare(cfg: C.RunConfig, env: dist.DistEnv) -> Job:
         train=dataclasses.replace(cfg.train, output_dir=cfg.train.output_dir or default_output_dir(env)),
     )
     r = resolve(cfg)
+    cfg = r.cfg  # as resolved: LoRA target sets expanded to this architecture's module names
     require_runnable(cfg, r.dims, max_positions=r.spec.max_position_embeddings, cuda=env.device.type == "cuda")
     # what can fail fast does, before any weights or tokenizer load: where the run writes, the data
     require_writable(cfg.train.output_dir, "train.output_dir")
     if cfg.checkpoint.dir:
         require_writable(cfg.checkpoint.dir, "checkpoint.dir")
-    documents = data.load_documents(cfg.data.source)  # bad data fails before anything is created
+    # bad data fails before anything is created
+    with progress.stage("load data", cfg.data.source) as stage:
+        documents = data.load(cfg.data, cache=data.cache_dir(cfg.model.cache_dir))
+        stage.result = "{:,} training and {:,} held-out documents".format(*map(len, documents))
     locks = _lock(cfg, env)
     try:
         refuse_foreign(cfg)
-        return _build(cfg, env, r, documents, locks)
+        return _build(cfg, env, r, documents, locks, progress)
     except BaseException:
         for lock in locks:
             lock.release()
@@ -97,23 +103,27 @@ def _lock(cfg: C.RunConfig, env: dist.DistEnv) -> tuple[DirLock, ...]:
     return tuple(locks)
 
 
-def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: list, locks: tuple) -> Job:
-    directory = weights.weights_dir(cfg) if weights.is_pretrained(cfg) else None
-    if directory is not None:  # build from the checkpoint's own transformers config, every field of it
-        full_config = json.loads((directory / "config.json").read_text())
-        r = dataclasses.replace(r, spec=dataclasses.replace(r.spec, config=full_config))
+def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, locks: tuple, progress: Progress) -> Job:
+    r = dataclasses.replace(r, spec=weights.as_built(cfg, r.spec))
     sharded = r.dims.shards_params and env.world > 1
     torch.manual_seed(cfg.train.seed)
-    tokenizer = weights.load_tokenizer(cfg, r.spec)
-    train_docs, eval_docs = data.split_documents(documents, cfg.data.eval_fraction)
-    seq, vocab = r.batch.seq_len, r.spec.vocab_size
-    fraction = cfg.data.eval_fraction
-    train, held_out = (
-        Split(
-            docs, *data.pack(docs, tokenizer, seq, vocab, split=f"the {name} split (data.eval_fraction = {fraction})")
+    with progress.stage("tokenize") as stage:
+        tokenizer = weights.load_tokenizer(cfg, r.spec)
+        seq, vocab, cache = r.batch.seq_len, r.spec.vocab_size, data.cache_dir(cfg.model.cache_dir)
+        held_out_from = (
+            f"data.eval_source = {cfg.data.eval_source}"
+            if cfg.data.eval_source
+            else f"data.eval_fraction = {cfg.data.eval_fraction}"
         )
-        for docs, name in ((train_docs, "training"), (eval_docs, "held-out"))
-    )
+        train, held_out = (
+            Split(
+                docs, *data.pack(docs, tokenizer, seq, vocab, split=f"the {name} split ({held_out_from})", cache=cache)
+            )
+            for docs, name in zip(documents, ("training", "held-out"), strict=True)
+        )
+        stage.result = (
+            f"{train.ids.shape[0]:,} training and {held_out.ids.shape[0]:,} held-out sequences of {seq} tokens"
+        )
     per_step = r.batch.micro_batch_size * env.world
     if train.ids.shape[0] < per_step and not cfg.train.overfit_batches:
         raise C.ConfigError(
@@ -122,9 +132,12 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: list, lo
             f"training split packs to {train.ids.shape[0]} of {seq} tokens: samples would repeat within a batch",
             "lower batch.micro_batch_size or batch.seq_len, or add data",
         )
+    if cfg.train.epochs:
+        steps = data.steps_for_epochs(cfg.train.epochs, train.ids.shape[0], r.batch.global_batch_size)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
     mesh = dist.mesh(env) if sharded else None
     meter = measure.PhaseMeter(env.device) if cfg.train.measure_memory else None
-    with meter or contextlib.nullcontext():
+    with progress.stage("load weights", cfg.model.source), meter or contextlib.nullcontext():
         model = weights.load_model(cfg, r.spec, r.precision, env.device, dims=r.dims if mesh else None, mesh=mesh)
     return Job(
         cfg=cfg,

@@ -3,6 +3,8 @@ cache, the embedded default) or random initialization (presets, config.json)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 from pathlib import Path
@@ -83,6 +85,15 @@ def weights_dir(cfg: RunConfig) -> Path | None:
     if gguf is not None:
         return gguf_cache(gguf, cfg.model.cache_dir)
     return model_dir(cfg.model.source)
+
+
+def as_built(cfg: RunConfig, spec: ModelSpec) -> ModelSpec:
+    """`spec` as a pretrained run builds it: from the weights' own config.json, every field of it
+    (a preset or config.json without weights: unchanged)."""
+    directory = weights_dir(cfg) if is_pretrained(cfg) else None
+    if directory is None:
+        return spec
+    return dataclasses.replace(spec, config=json.loads((directory / "config.json").read_text()))
 
 
 def load_tokenizer(cfg: RunConfig, spec: ModelSpec):

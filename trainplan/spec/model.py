@@ -423,6 +423,11 @@ def preset_names() -> list[str]:
     return sorted({canonical for canonical, _, _ in _presets().values()})
 
 
+def preset_aliases() -> list[str]:
+    """Every name a preset answers to (Hub ids and short names), for suggestions."""
+    return sorted(alias for _, _, alias in _presets().values())
+
+
 def find_preset(name: str) -> str | None:
     """The canonical name of the preset `name` names (canonical or alias), or None."""
     hit = _presets().get(name.lower())
@@ -433,8 +438,7 @@ def preset_config(name: str) -> dict:
     """The config.json dict shipped for a preset (keys starting with '_' are provenance)."""
     hit = _presets().get(name.lower())
     if hit is None:
-        written = sorted(alias for _, _, alias in _presets().values())
-        raise ConfigError("model.source", f"unknown preset {name!r}", nearest(name, written))
+        raise ConfigError("model.source", f"unknown preset {name!r}", nearest(name, preset_aliases()))
     cfg = json.loads((PRESET_DIR / f"{hit[1]}.json").read_text())
     return {k: v for k, v in cfg.items() if not k.startswith("_")}
 

@@ -13,6 +13,7 @@ and continue (e).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from trainplan import config as C
 from trainplan.errors import ConfigError
+from trainplan.run.progress import Progress
 from trainplan.verify.checks import (
     Check,
     check_contract,
@@ -55,7 +57,9 @@ def perturbed(ledger, perturb: dict[str, float] | None):
 # ---- (e) resume -----------------------------------------------------------------------------
 
 
-def check_resume(config_file: Path, workdir: Path, *, steps: int, at: int, nproc: int, mode: str) -> Check:
+def check_resume(
+    config_file: Path, workdir: Path, *, steps: int, at: int, nproc: int, mode: str, progress: Progress | None = None
+) -> Check:
     if mode == "inference":
         return Check("resume", "Resume", None, "inference: no optimizer state or progress to resume", {})
     from trainplan.verify.resume import verify
@@ -63,7 +67,7 @@ def check_resume(config_file: Path, workdir: Path, *, steps: int, at: int, nproc
     small = ["train.eval_batches=1", "train.eval_every=0", "train.measure_memory=false"]
     args = [str(config_file), *(x for item in small for x in ("--set", item))]
     try:
-        result = verify(args, steps=steps, at=at, workdir=workdir, nproc=nproc)
+        result = verify(args, steps=steps, at=at, workdir=workdir, nproc=nproc, progress=progress)
     except RuntimeError as e:
         return Check("resume", "Resume", False, str(e), {})
     failed = [k for k, ok in result["checks"].items() if not ok]
@@ -73,6 +77,13 @@ def check_resume(config_file: Path, workdir: Path, *, steps: int, at: int, nproc
         else f"differs in {', '.join(failed)}; largest deviation {result['max_deviation']}"
     )
     return Check("resume", "Resume", result["passed"], summary, result)
+
+
+def samples(record) -> list[dict]:
+    """Greedy completions of held-out prompts by the run's base and its result (the report shows them)."""
+    from trainplan.run import generate
+
+    return generate.run_samples(record.config, record.result)
 
 
 def _device_name(device: str) -> str:
@@ -86,6 +97,31 @@ def _device_name(device: str) -> str:
 # ---- the run --------------------------------------------------------------------------------
 
 
+class _Checks:
+    """The six checks in order, each a stage of `progress` (`accept [5/6] resume: ... ...`, then
+    its verdict and how long it took, the runs it needed included)."""
+
+    KEYS = ("contract", "memory", "step", "quality", "resume", "instability")
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.done: list[Check] = []
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def running(self, key: str, doing: str):
+        """Yields `done(check)`, which the body calls with the check's result."""
+        assert key == self.KEYS[len(self.done)], key
+        t0 = time.perf_counter()
+        with self.progress.stage(f"accept [{len(self.done) + 1}/{len(self.KEYS)}] {key}", doing) as stage:
+            yield self.done.append
+            (check,) = self.done[-1:]
+            assert check.key == key, (check.key, key)
+            verdict = {True: "ok", False: "FAIL", None: "n/a"}[check.passed]
+            stage.result = f"{verdict} - {check.summary}"
+        self.seconds[key] = time.perf_counter() - t0
+
+
 def accept(
     cfg: C.RunConfig,
     *,
@@ -96,8 +132,10 @@ def accept(
     resume_at: int = 2,
     overfit_steps: int = 6,
     nproc: int = 1,
+    progress: Progress | None = None,
 ) -> dict:
-    """Run the checks in order; returns the result (also the input of the report)."""
+    """Run the checks in order, each a stage of `progress`; returns the result (also the input
+    of the report)."""
     from trainplan.plan import analytic
     from trainplan.run import loop
     from trainplan.run.record import RunRecord
@@ -111,49 +149,74 @@ def accept(
     main_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=str(out_dir / "train")))
     config_file = out_dir / "config.toml"
     config_file.write_text(C.to_toml(main_cfg))
-    if nproc > 1:
-        record = RunRecord.from_json(run_train([str(config_file)], out_dir / "train", nproc=nproc))
-    else:
-        record, _ = loop.run(main_cfg, quiet=True)
+    steps = "inference" if cfg.mode == "inference" else f"training {cfg.train.steps} steps"
+    checks = _Checks(progress or Progress.off())
+
+    with checks.running("contract", f"the measured run, {steps}") as done:  # the evidence of four checks
+        if nproc > 1:
+            record = RunRecord.from_json(run_train([str(config_file)], out_dir / "train", nproc=nproc))
+        else:
+            record, _ = loop.run(main_cfg, progress=checks.progress)
+        with checks.progress.stage("samples", "greedy completions by the base and the result"):
+            record.samples = samples(record)
         write_record(record, out_dir / "train")
-    ledger = perturbed(analytic.plan(C.from_dict(record.config)), perturb)
+        done(check_contract(record))
 
-    overfit = None
-    if cfg.mode != "inference":
-        fit_cfg = dataclasses.replace(
-            main_cfg,
-            train=dataclasses.replace(
-                main_cfg.train,
-                steps=overfit_steps,
-                overfit_batches=1,
-                eval_batches=1,
-                eval_every=0,
-                stop_after=0,
-                measure_memory=False,
-                output_dir=str(out_dir / "overfit"),
-            ),
-            checkpoint=dataclasses.replace(main_cfg.checkpoint, every=0, resume=""),
-            data=main_cfg.data,
+    with checks.running("memory", "plan vs measured, per device") as done:
+        ledger = perturbed(analytic.plan(C.from_dict(record.config)), perturb)
+        done(check_memory(record, ledger, tolerance))
+
+    with checks.running("step", f"overfitting one batch, training {overfit_steps} steps") as done:
+        overfit = None
+        if cfg.mode != "inference":
+            fit_cfg = dataclasses.replace(
+                main_cfg,
+                train=dataclasses.replace(
+                    main_cfg.train,
+                    steps=overfit_steps,
+                    overfit_batches=1,
+                    eval_batches=1,
+                    eval_every=0,
+                    stop_after=0,
+                    measure_memory=False,
+                    output_dir=str(out_dir / "overfit"),
+                ),
+                checkpoint=dataclasses.replace(main_cfg.checkpoint, every=0, resume=""),
+                data=main_cfg.data,
+            )
+            overfit, _ = loop.run(fit_cfg, progress=checks.progress)
+            write_record(overfit, out_dir / "overfit")
+        done(check_step(record, overfit))
+
+    with checks.running("quality", "held-out metric before and after") as done:
+        done(check_quality(record))
+
+    doing = f"{resume_steps} steps uninterrupted vs stopped at {resume_at} and resumed, 3 fresh processes"
+    with checks.running("resume", doing) as done:
+        done(
+            check_resume(
+                config_file,
+                out_dir / "resume",
+                steps=resume_steps,
+                at=resume_at,
+                nproc=nproc,
+                mode=cfg.mode,
+                progress=checks.progress,
+            )
         )
-        overfit, _ = loop.run(fit_cfg, quiet=True)
-        write_record(overfit, out_dir / "overfit")
 
-    checks = [
-        check_contract(record),
-        check_memory(record, ledger, tolerance),
-        check_step(record, overfit),
-        check_quality(record),
-        check_resume(config_file, out_dir / "resume", steps=resume_steps, at=resume_at, nproc=nproc, mode=cfg.mode),
-        check_instability(record),
-    ]
-    passed = all(c.passed is not False for c in checks)
-    failing = [c for c in checks if c.passed is False]
+    with checks.running("instability", "the loss and grad-norm history") as done:
+        done(check_instability(record))
+
+    passed = all(c.passed is not False for c in checks.done)
+    failing = [c for c in checks.done if c.passed is False]
+    ordered = failing + [c for c in checks.done if c.passed is not False]
     return {
         "schema": "trainplan.accept/1",
         "verdict": "PASS" if passed else "FAIL",
         "failing": [f"{c.name}: {c.summary}" for c in failing],
-        "checks": [c.to_json() for c in failing + [c for c in checks if c.passed is not False]],
-        "order": [c.key for c in checks],
+        "checks": [c.to_json() | {"seconds": checks.seconds[c.key]} for c in ordered],
+        "order": [c.key for c in checks.done],
         "plan": ledger.to_json(),
         "perturbed": perturb or {},
         "record": {k: v for k, v in record.to_json().items() if k != "memory"},

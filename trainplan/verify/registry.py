@@ -150,55 +150,81 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def render_list(items: list[dict]) -> str:
-    head = ["id", "kind", "started", "model", "mode", "devices", "peak", "loss before", "after", "wall s", "verdict"]
-    lines = [head]
+def _value(key: str, v) -> str:
+    """A registry value as shown; durations as the reports write them (run/record.py: wall_seconds)."""
+    if key in ("wall_seconds", "train_seconds") and v is not None:
+        from trainplan.run.progress import duration
+
+        return duration(v)
+    return _fmt(v)
+
+
+def _peaks(r: dict) -> str:
+    return ", ".join(f"{d} {format_gib(v)}" for d, v in json.loads(r.get("peaks_json") or "{}").items())
+
+
+def render_list(items: list[dict], *, terminal: bool = False) -> str:
+    from trainplan.text import cell, render, table
+
+    t = table(
+        "id",
+        "kind",
+        "started (UTC)",
+        "mode",
+        "devices",
+        "peak>",
+        "loss\nbefore>",
+        "loss\nafter>",
+        "run wall\ntime>",
+        "verdict",
+        "model",
+    )
+    for col in t.columns[:-1]:
+        col.no_wrap = True  # short values: only the model (a name or a path) wraps
     for r in items:
         peaks = [v for v in json.loads(r["peaks_json"] or "{}").values() if v is not None]
-        lines.append(
-            [
-                str(r["id"]),
-                r["kind"],
-                r["started"],
-                Path(r["model"]).name or r["model"],
-                r["mode"],
-                r["devices"],
-                format_gib(max(peaks) if peaks else None),
-                _fmt(r["metric_before"]),
-                _fmt(r["metric_after"]),
-                _fmt(r["wall_seconds"]),
-                r["verdict"],
-            ]
+        verdict = r["verdict"] or "-"
+        t.add_row(
+            str(r["id"]),
+            cell(r["kind"]),
+            cell((r["started"] or "").replace("T", " ")[:16]),
+            cell(r["mode"]),
+            cell(r["devices"]),
+            format_gib(max(peaks) if peaks else None),
+            _fmt(r["metric_before"]),
+            _fmt(r["metric_after"]),
+            _value("wall_seconds", r["wall_seconds"]),
+            cell(verdict, "green" if verdict == "PASS" else "bold red" if verdict == "FAIL" else ""),
+            cell(Path(r["model"]).name or r["model"]),
         )
-    widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in lines)
+    return render(t, terminal=terminal)
 
 
-def render_show(r: dict) -> str:
-    out = [f"{k:14s} {_fmt(v)}" for k, v in r.items() if k not in ("config_toml", "peaks_json")]
-    out.append("peaks:")
-    out += [f"  {dev}: {format_gib(b)}" for dev, b in json.loads(r["peaks_json"] or "{}").items()]
-    out += ["config:", *("  " + line for line in (r["config_toml"] or "").splitlines())]
-    return "\n".join(out)
+def render_show(r: dict, *, terminal: bool = False) -> str:
+    from trainplan.text import cell, render, table
+
+    t = table("field", "value")
+    for k, v in r.items():
+        if k not in ("config_toml", "peaks_json"):
+            t.add_row(k, cell(_value(k, v)))
+    t.add_row("peaks", cell(_peaks(r)))
+    config = ["config:", *("  " + line for line in (r["config_toml"] or "").splitlines())]
+    return render(t, cell("\n".join(config)), terminal=terminal)
 
 
-def render_compare(a: dict, b: dict) -> str:
+def render_compare(a: dict, b: dict, *, terminal: bool = False) -> str:
     """Two runs side by side; '*' marks what differs. Config lines that differ are listed too."""
-    keys = [k for k, _ in COLUMNS if k not in ("config_toml", "peaks_json")] + ["peaks_json"]
-    width = max(len(_fmt(a.get(k))) for k in keys) + 2
-    lines = [f"{'':14s} {'run ' + str(a['id']):{width}s} run {b['id']}"]
-    for k in keys:
-        va, vb = a.get(k), b.get(k)
-        if k == "peaks_json":
-            va = ", ".join(f"{d} {format_gib(v)}" for d, v in json.loads(va or "{}").items())
-            vb = ", ".join(f"{d} {format_gib(v)}" for d, v in json.loads(vb or "{}").items())
-        mark = "*" if va != vb and k not in ("started",) else " "
-        lines.append(f"{mark}{k:13s} {_fmt(va):{width}s} {_fmt(vb)}")
+    from trainplan.text import cell, render, table
+
+    t = table("", "field", f"run {a['id']}", f"run {b['id']}")
+    for k in [k for k, _ in COLUMNS if k not in ("config_toml", "peaks_json")] + ["peaks_json"]:
+        va, vb = (_peaks(r) if k == "peaks_json" else _value(k, r.get(k)) for r in (a, b))
+        differs = va != vb and k != "started"
+        t.add_row("*" if differs else "", "peaks" if k == "peaks_json" else k, cell(va), cell(vb))
     ca, cb = (a["config_toml"] or "").splitlines(), (b["config_toml"] or "").splitlines()
     diff = _config_diff(ca, cb)
-    lines.append("config differences:" + ("" if diff else " none"))
-    lines += [f"  {k}: {x} -> {y}" for k, x, y in diff]
-    return "\n".join(lines)
+    lines = ["config differences:" + ("" if diff else " none")] + [f"  {k}: {x} -> {y}" for k, x, y in diff]
+    return render(t, cell("\n".join(lines)), terminal=terminal)
 
 
 def _config_diff(a: list[str], b: list[str]) -> list[tuple[str, str, str]]:

@@ -14,13 +14,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from trainplan.run.progress import Progress
+
 
 def run_train(args: list[str], out: Path, *extra: str, nproc: int = 1) -> dict:
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    # these are verification runs, not the user's: they stay out of the run registry
-    cmd = [*launcher, "-m", "trainplan", "train", *args, "--registry", "off"]
+    # these are verification runs, not the user's: they stay out of the run registry, and their
+    # output is read only for an error (the caller reports progress)
+    cmd = [*launcher, "-m", "trainplan", "train", *args, "--registry", "off", "--quiet"]
     cmd += ["--set", f"train.output_dir={str(out)!r}", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -34,35 +37,48 @@ def run_train(args: list[str], out: Path, *extra: str, nproc: int = 1) -> dict:
 
 
 def verify(
-    train_args: list[str], *, steps: int, at: int, workdir: Path, tolerance: float = 0.0, nproc: int = 1
+    train_args: list[str],
+    *,
+    steps: int,
+    at: int,
+    workdir: Path,
+    tolerance: float = 0.0,
+    nproc: int = 1,
+    progress: Progress | None = None,
 ) -> dict:
-    """Run the three runs and compare them. tolerance 0 means bitwise."""
+    """Run the three runs and compare them. tolerance 0 means bitwise. Each run is a stage of
+    `progress`."""
     if not 0 < at < steps:
         raise ValueError(f"--at must be between 1 and {steps - 1} (got {at})")
+    progress = progress or Progress.off()
     base = [*train_args, "--set", f"train.steps={steps}"]
     ckpt = workdir / "checkpoints"
     shutil.rmtree(ckpt, ignore_errors=True)  # verify-resume's own: a reused work dir starts clean
-    full = run_train(base, workdir / "uninterrupted", nproc=nproc)
-    run_train(
-        base,
-        workdir / "interrupted",
-        "--set",
-        f"train.stop_after={at}",
-        "--set",
-        f"checkpoint.every={at}",
-        "--set",
-        f"checkpoint.dir={str(ckpt)!r}",
-        nproc=nproc,
-    )
-    resumed = run_train(
-        base,
-        workdir / "resumed",
-        "--set",
-        "checkpoint.resume='auto'",
-        "--set",
-        f"checkpoint.dir={str(ckpt)!r}",
-        nproc=nproc,
-    )
+    where = f"in a fresh process{'' if nproc == 1 else f' on {nproc} ranks'}"
+    with progress.stage("resume run 1/3", f"uninterrupted, training {steps} steps {where}"):
+        full = run_train(base, workdir / "uninterrupted", nproc=nproc)
+    with progress.stage("resume run 2/3", f"training {at} steps, checkpoint and stop, {where}"):
+        run_train(
+            base,
+            workdir / "interrupted",
+            "--set",
+            f"train.stop_after={at}",
+            "--set",
+            f"checkpoint.every={at}",
+            "--set",
+            f"checkpoint.dir={str(ckpt)!r}",
+            nproc=nproc,
+        )
+    with progress.stage("resume run 3/3", f"resuming at step {at}, training to {steps} {where}"):
+        resumed = run_train(
+            base,
+            workdir / "resumed",
+            "--set",
+            "checkpoint.resume='auto'",
+            "--set",
+            f"checkpoint.dir={str(ckpt)!r}",
+            nproc=nproc,
+        )
     expected = full["steps"][at:]
     got = resumed["steps"]
     deviations = {}

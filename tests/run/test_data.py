@@ -1,0 +1,273 @@
+"""Training data through `datasets`: file kinds, formats and their loss masks, the split (by
+chunk for a single corpus, or a separate eval set), bad rows by file:line, and the token cache."""
+
+import json
+
+import pytest
+
+from trainplan import config as C
+from trainplan.errors import ConfigError
+from trainplan.run import data, sources
+
+IGNORE = data.IGNORE_INDEX
+
+ALPACA = [
+    {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+    {"instruction": "Name a colour.", "input": "", "output": "Blue."},
+]
+SHAREGPT = [
+    {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Hi there"},
+            {"from": "gpt", "value": "Hello!"},
+        ]
+    },
+    {"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def chat_tok(tiny_run):
+    """The embedded SmolLM2 tokenizer, which has a chat template."""
+    import transformers
+
+    root, _ = tiny_run
+    tok = transformers.AutoTokenizer.from_pretrained(str(root / "weights"))
+    assert tok.chat_template
+    return tok
+
+
+@pytest.fixture(scope="module")
+def plain_tok(tiny_run):
+    """The same tokenizer without a chat template, as a base model's."""
+    import transformers
+
+    root, _ = tiny_run
+    tok = transformers.AutoTokenizer.from_pretrained(str(root / "weights"))
+    tok.chat_template = None
+    return tok
+
+
+def write(path, rows):
+    """`rows` as a .jsonl, .json (array), .parquet or .csv file, by the path's suffix."""
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows, indent=1))
+    elif path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        import csv
+
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return str(path)
+
+
+def contents(docs):
+    return [(d.text, d.prompt, d.completion, d.messages) for d in docs]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet", ".csv"])
+def test_every_file_kind_reads_the_same_documents(tmp_path, suffix):
+    expected = data.load_documents(write(tmp_path / "ref.jsonl", ALPACA))
+    docs = data.load_documents(write(tmp_path / f"a{suffix}", ALPACA), cache=str(tmp_path / "cache"))
+    assert contents(docs) == contents(expected)
+    assert docs[0].completion == "5" and "### Input:\n2 and 3" in docs[0].prompt
+    assert docs[1].messages[0] == {"role": "user", "content": "Name a colour."}  # no input: the instruction alone
+    line = {".jsonl": "a.jsonl:2", ".json": "a.json row 2", ".parquet": "a.parquet row 2", ".csv": "a.csv:3"}
+    assert docs[1].name == line[suffix]
+
+
+def test_format_is_detected_from_the_columns_and_can_be_forced(tmp_path):
+    rows = {
+        "text": [{"text": "plain words"}],
+        "prompt-completion": [{"prompt": "Q?", "completion": "A."}],
+        "alpaca": ALPACA[:1],
+        "sharegpt": SHAREGPT[:1],
+        "messages": [{"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}],
+    }
+    for fmt, sample in rows.items():
+        auto = data.load_documents(write(tmp_path / f"{fmt}.jsonl", sample))
+        assert contents(auto) == contents(data.load_documents(str(tmp_path / f"{fmt}.jsonl"), fmt)), fmt
+    sharegpt = data.load_documents(str(tmp_path / "sharegpt.jsonl"))[0]
+    assert [m["role"] for m in sharegpt.messages] == ["system", "user", "assistant"]
+    # one file may mix formats row by row; the column set is their union
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(r[0]) + "\n" for r in rows.values()))
+    docs = data.load_documents(str(mixed))
+    assert [bool(d.text) for d in docs] == [True, False, False, False, False]
+    assert docs[2].completion == "5" and docs[3].messages[1]["content"] == "Hi there"
+    with pytest.raises(ConfigError, match=r'^data\.source: mixed\.jsonl:1: missing "instruction" \(alpaca\)'):
+        data.load_documents(str(mixed), "alpaca")
+
+
+def test_prompt_completion_and_alpaca_mask_the_prompt_exactly(plain_tok):
+    tok = plain_tok
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    ids, labels = data.tokenize(data.Document(name="x", prompt="Q: 2+2?", completion=" A: 4"), tok)
+    assert ids == enc("Q: 2+2?") + enc(" A: 4")
+    assert labels == [IGNORE] * len(enc("Q: 2+2?")) + enc(" A: 4")
+    doc = sources._document("alpaca", ALPACA[0], "x:1", "data.source")
+    prompt = enc(sources.ALPACA_INPUT.format(instruction="Add the numbers.", input="2 and 3"))
+    ids, labels = data.tokenize(doc, tok)
+    assert ids == prompt + enc("5") and labels == [IGNORE] * len(prompt) + enc("5")
+    chat = data.Document(name="c", messages=({"role": "user", "content": "hi"},))
+    with pytest.raises(ConfigError, match=r"^data\.format: c is a chat, but the model's tokenizer has no chat"):
+        data.tokenize(chat, tok)
+
+
+def test_chat_formats_learn_the_assistant_turns_only(chat_tok):
+    tok = chat_tok
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    render = lambda m, gen=False: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=gen)  # noqa: E731
+    # ShareGPT: system / human / gpt become system / user / assistant
+    doc = sources._document("sharegpt", SHAREGPT[0], "x:1", "data.source")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    messages.append({"role": "assistant", "content": "Hello!"})
+    assert list(doc.messages) == messages
+    prompt = render(messages[:2], gen=True)  # the assistant's header is prompt too
+    reply = render(messages)[len(prompt) :]
+    assert reply.startswith("Hello!")
+    ids, labels = data.tokenize(doc, tok)
+    assert ids == enc(prompt) + enc(reply)
+    assert labels == [IGNORE] * len(enc(prompt)) + enc(reply)
+    # Alpaca through the chat template: one user turn (instruction, input), one assistant turn
+    ids, labels = data.tokenize(sources._document("alpaca", ALPACA[0], "x:1", "data.source"), tok)
+    turns = [{"role": "user", "content": "Add the numbers.\n\n2 and 3"}, {"role": "assistant", "content": "5"}]
+    prompt = render(turns[:1], gen=True)
+    assert ids == enc(prompt) + enc(render(turns)[len(prompt) :])
+    assert labels[: len(enc(prompt))] == [IGNORE] * len(enc(prompt))
+    assert tok.decode([i for i in labels if i != IGNORE]).startswith("5<|im_end|>")
+
+
+def test_a_single_text_corpus_is_split_by_chunks(tmp_path):
+    corpus = tmp_path / "book.txt"
+    text = "".join(f"Line {i} of the one long text, with words enough to fill it.\n" for i in range(800))
+    corpus.write_text(text)
+    train, held_out = data.load(C.DataConfig(source=str(corpus)))
+    chunks = sorted(train + held_out, key=lambda d: int(d.name.split("#")[1]))
+    assert "".join(d.text for d in chunks) == text and all(d.text.endswith("\n") for d in chunks)
+    assert len(chunks) == len(text) // data.CHUNK_CHARS + 1 and len(held_out) == round(0.1 * len(chunks))
+    assert not {d.name for d in train} & {d.name for d in held_out}
+    assert data.load(C.DataConfig(source=str(corpus)))[1] == held_out  # stable
+    with pytest.raises(ConfigError, match=r"^data\.format: alpaca needs rows with columns, but .*book\.txt"):
+        data.load(C.DataConfig(source=str(corpus), format="alpaca"))
+    short = tmp_path / "short.txt"
+    short.write_text("one line of text, about a hundred characters long, which cannot be cut in two chunks.\n")
+    with pytest.raises(ConfigError, match=r"^data\.source: 1 document\(s\).*data\.eval_source"):
+        data.load(C.DataConfig(source=str(short)))
+
+
+def test_a_separate_eval_source_holds_nothing_out_of_the_training_source(tmp_path):
+    train_file = write(tmp_path / "train.jsonl", ALPACA)
+    eval_file = write(tmp_path / "eval.parquet", SHAREGPT)
+    train, held_out = data.load(C.DataConfig(source=train_file, eval_source=eval_file, eval_fraction=0))
+    assert contents(train) == contents(data.load_documents(train_file))
+    assert [d.name for d in held_out] == ["eval.parquet row 1", "eval.parquet row 2"]
+    with pytest.raises(ConfigError, match=r"^data\.eval_fraction: is 0: .*data\.eval_source"):
+        C.DataConfig(source=train_file, eval_fraction=0)
+    with pytest.raises(ConfigError, match=r"^data\.eval_source: no such file or directory"):
+        data.load(C.DataConfig(source=train_file, eval_source=str(tmp_path / "missing.jsonl")))
+    with pytest.raises(ConfigError, match=r"^data\.format: unknown value 'chatml'"):
+        C.DataConfig(format="chatml")
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "fmt", "message"),
+    [
+        (
+            "train.jsonl",
+            '{"instruction": "i", "output": "o"}\n\n{"instruction": "j"}\n',
+            "alpaca",
+            r'3: missing "output"',
+        ),
+        ("train.jsonl", '{"text": "a"}\n{"text": 5}\n', "auto", r'2: "text" must be a string \(got int\)'),
+        ("train.jsonl", '{"text": "a"}\n\n{"text": \n', "auto", r"3: invalid JSON"),
+        ("train.jsonl", '{"text": "a"}\n["a"]\n', "auto", r"2: is not a JSON object"),
+        ("train.csv", "prompt,completion\np,c\nq,\n", "auto", r'3: missing "completion" \(prompt-completion\)'),
+        ("train.jsonl", '{"conversations": [{"from": "bot", "value": "x"}]}\n', "auto", r"1: unknown speaker 'bot'"),
+        ("train.jsonl", '{"txt": "a"}\n', "auto", r" has columns \['txt'\]"),
+    ],
+)
+def test_a_bad_row_is_reported_by_file_and_line(tmp_path, name, body, fmt, message):
+    (tmp_path / name).write_text(body)
+    with pytest.raises(ConfigError, match=rf"^data\.source: {name}:?{message}") as e:
+        data.load_documents(str(tmp_path / name), fmt, cache=str(tmp_path / "cache"))
+    assert "\n" not in str(e.value)
+
+
+def test_a_rerun_reads_the_token_cache_instead_of_tokenizing(tmp_path, monkeypatch, chat_tok, plain_tok):
+    docs = data.load_documents(write(tmp_path / "a.jsonl", ALPACA + [{"prompt": "p", "completion": "c " * 300}]))
+    calls = []
+    real = data.tokenize
+    monkeypatch.setattr(data, "tokenize", lambda doc, tok: calls.append(doc.name) or real(doc, tok))
+    cache = str(tmp_path / "cache")
+    first = data.pack(docs, chat_tok, 16, 49152, cache=cache)
+    assert len(calls) == len(docs)
+    again = data.pack(docs, chat_tok, 32, 49152, cache=cache)  # another seq_len: the same token cache
+    assert len(calls) == len(docs)
+    n = min(first[0].numel(), again[0].numel())
+    assert again[0].flatten()[:n].tolist() == first[0].flatten()[:n].tolist()
+    data.pack(docs, plain_tok, 16, 49152, cache=cache)  # another tokenizer: tokenized again
+    assert len(calls) == 2 * len(docs)
+    assert len(list((tmp_path / "cache").glob("tokens-*.arrow"))) == 2
+
+
+def test_packing_puts_eos_after_each_document(plain_tok):
+    docs = [data.Document(name="a", text="one two"), data.Document(name="b", prompt="Q", completion="A")]
+    ids, labels = data.pack(docs, plain_tok, 1, 49152)
+    enc = lambda s: plain_tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos = plain_tok.eos_token_id
+    assert ids.flatten().tolist() == enc("one two") + [eos] + enc("Q") + enc("A") + [eos]
+    assert labels.flatten().tolist() == enc("one two") + [eos] + [IGNORE] * len(enc("Q")) + enc("A") + [eos]
+
+
+def test_a_dataset_in_the_local_hub_cache_is_read_by_id_offline(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    hub = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    repo = hub / "datasets--someone--tiny-chat"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit / "data"
+    snapshot.mkdir(parents=True)
+    write(snapshot / "train.jsonl", ALPACA)
+    write(snapshot / "test.jsonl", ALPACA[:1])
+    cache = str(tmp_path / "cache")
+    docs = data.load_documents("someone/tiny-chat", cache=cache)
+    assert contents(docs) == contents(data.load_documents(write(tmp_path / "a.jsonl", ALPACA)))
+    assert docs[0].name == "someone/tiny-chat:train row 1"
+    assert contents(data.load_documents("someone/tiny-chat:test", cache=cache)) == contents(docs[:1])
+    with pytest.raises(ConfigError, match=r"^data\.source: 'someone/absent' is neither .*hf download someone/absent"):
+        data.load_documents("someone/absent", cache=cache)
+
+
+def test_training_runs_on_alpaca_with_a_sharegpt_eval_set(tiny_run, tmp_path):
+    from trainplan.commands.train import execute
+
+    _, base = tiny_run
+    source = write(tmp_path / "train.parquet", ALPACA * 12)
+    eval_source = write(tmp_path / "eval.jsonl", SHAREGPT * 4)
+    cfg = C.load(
+        None,
+        [
+            *base,
+            f"data.source={source}",
+            f"data.eval_source={eval_source}",
+            "data.eval_fraction=0",
+            f"train.output_dir={tmp_path / 'run'}",
+        ],
+    )
+    record = execute(cfg, quiet=True)[0].to_json()
+    assert record["data"]["train_documents"] == 24 and record["data"]["eval_documents"] == 8
+    assert len(record["steps"]) == 3
+    assert record["eval_after"]["loss"] < record["eval_before"]["loss"]

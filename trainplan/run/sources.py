@@ -1,0 +1,314 @@
+"""Reading a data source into documents: files through `datasets`, rows through their format.
+
+A source is "default", a .txt file or a directory of .txt files (hand-read: text needs no
+parser), a .jsonl / .json / .parquet / .csv file or a directory of one kind of them (read by
+`datasets`), or a dataset id ("owner/name", "owner/name:split") already in the local Hugging Face
+cache. Nothing is downloaded.
+
+A row's format comes from its columns (or `data.format`); see `FORMAT_COLUMNS` and run/data.py.
+A bad row is refused naming where it is: `file:line` for JSON lines and CSV (the header is line
+1), `file row N` for a JSON array, parquet, or a cached dataset.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainplan.errors import ConfigError
+
+DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+# (format, the columns it needs), in the order `auto` tries them on each row
+FORMAT_COLUMNS = (
+    ("messages", ("messages",)),
+    ("sharegpt", ("conversations",)),
+    ("alpaca", ("instruction", "output")),
+    ("prompt-completion", ("prompt", "completion")),
+    ("text", ("text",)),
+)
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+# Stanford Alpaca's prompt, for tokenizers without a chat template (github.com/tatsu-lab/stanford_alpaca)
+ALPACA_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+_HF_ID = re.compile(r"^[\w.-]+/[\w.-]+(:[\w.-]+)?$")
+
+
+@dataclass(frozen=True)
+class Document:
+    """One unit of the split. A prompt/completion (or Alpaca) row carries both renderings: the
+    plain `prompt` + `completion`, and `messages` for tokenizers with a chat template."""
+
+    name: str
+    text: str = ""
+    prompt: str = ""
+    completion: str = ""
+    messages: tuple = ()
+
+
+def read(source: str, fmt: str, field: str, cache_dir: str | None) -> list[Document]:
+    """Every document of `source` (errors name `field`: data.source or data.eval_source)."""
+    path = Path(source).expanduser()
+    plain = path.is_file() and path.suffix not in DATA_SUFFIXES or path.is_dir() and not _data_files(path)
+    if fmt not in ("auto", "text") and (plain or source == "default"):
+        raise ConfigError(
+            "data.format", f"{fmt} needs rows with columns, but {source!r} is plain text", "set data.format = auto"
+        )
+    if source == "default":
+        import pydoc_data.topics as topics
+
+        return [Document(name=k, text=v) for k, v in sorted(topics.topics.items())]
+    if path.is_dir():
+        return _read_dir(path, fmt, field, cache_dir)
+    if path.is_file():
+        if path.suffix in DATA_SUFFIXES:
+            return _read_file(path, fmt, field, cache_dir)
+        _require_text(path, field, "give a .txt, .jsonl, .json, .parquet or .csv file")
+        return [Document(name=path.name, text=path.read_text(errors="replace"))]
+    if _HF_ID.match(source) and path.suffix not in (*DATA_SUFFIXES, ".txt"):
+        return _read_cached_hub(source, fmt, field, cache_dir)
+    raise ConfigError(
+        field,
+        f"no such file or directory {source!r}",
+        'give a .txt, .jsonl, .json, .parquet or .csv file, a directory of them, a cached dataset id, or "default"',
+    )
+
+
+def _read_dir(path: Path, fmt: str, field: str, cache_dir: str | None) -> list[Document]:
+    files = _data_files(path)
+    if not files:
+        return [Document(name=p.name, text=p.read_text(errors="replace")) for p in sorted(path.glob("*.txt"))]
+    kinds = {DATA_SUFFIXES[p.suffix] for p in files}
+    if len(kinds) > 1 or any(p.suffix == ".txt" for p in path.iterdir()):
+        raise ConfigError(
+            field,
+            f"{str(path)!r} mixes kinds of files ({', '.join(sorted({p.suffix for p in files}))})",
+            "give one kind",
+        )
+    return [d for p in files for d in _read_file(p, fmt, field, cache_dir)]
+
+
+def _data_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.is_file() and p.suffix in DATA_SUFFIXES)
+
+
+def _require_text(path: Path, field: str, fix: str) -> None:
+    head = path.read_bytes()[:65536]
+    if b"\x00" in head:
+        raise ConfigError(field, f"{str(path)!r} is binary, not text", fix)
+
+
+def _read_file(path: Path, fmt: str, field: str, cache_dir: str | None) -> list[Document]:
+    kind = DATA_SUFFIXES[path.suffix]
+    lines = None
+    if kind != "parquet":
+        _require_text(path, field, f"give a UTF-8 {path.suffix} file")
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(field, f"{str(path)!r} is not UTF-8 text (byte {e.start})", "give UTF-8 text") from None
+        if not text.strip():
+            return []
+        if path.suffix == ".jsonl":  # rows are the non-blank lines, as `datasets` reads them
+            lines = [n for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    import datasets
+
+    reader = {
+        "json": datasets.Dataset.from_json,
+        "parquet": datasets.Dataset.from_parquet,
+        "csv": datasets.Dataset.from_csv,
+    }
+    extra = {}
+    if kind == "csv":  # a cell is text whatever it looks like: "5" stays the string "5"
+        header = next(csv.reader(text.splitlines()[:1]), [])
+        extra["features"] = datasets.Features({name: datasets.Value("string") for name in header})
+    try:
+        with quiet():
+            table = reader[kind](str(path), cache_dir=cache_dir, **extra)
+    except Exception as e:  # datasets wraps pyarrow's parse errors in assorted exceptions
+        if path.suffix == ".jsonl":
+            _raise_bad_json_line(path, field)
+        cause = str(e.__cause__ or e).splitlines()[0] if str(e.__cause__ or e) else type(e).__name__
+        raise ConfigError(
+            field, f"{path.name}: cannot be read as {path.suffix[1:]} ({cause})", "fix the file"
+        ) from None
+
+    def where(i: int) -> str:
+        if lines is not None and len(lines) == len(table):
+            return f"{path.name}:{lines[i]}"
+        if kind == "csv":
+            return f"{path.name}:{i + 2}"
+        return f"{path.name} row {i + 1}"
+
+    return _documents(table, fmt, field, where, path.name)
+
+
+def _raise_bad_json_line(path: Path, field: str) -> None:
+    """Name the first line of a JSON-lines file that is not a JSON object (only after `datasets`
+    failed to read it: its own message counts rows within a block, not lines of the file)."""
+    import json
+
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                field, f"{path.name}:{n}: invalid JSON ({e.msg})", "each line must be one JSON object"
+            ) from None
+        if not isinstance(row, dict):
+            raise ConfigError(field, f"{path.name}:{n}: is not a JSON object", 'write {"text": ...} per line')
+
+
+def _read_cached_hub(source: str, fmt: str, field: str, cache_dir: str | None) -> list[Document]:
+    """A dataset already in the local Hugging Face hub cache (as `hf download --repo-type dataset`
+    leaves it), read offline: no request leaves the machine."""
+    import datasets
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    repo, _, split = source.partition(":")
+    try:
+        snapshot = snapshot_download(repo, repo_type="dataset", local_files_only=True)
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        raise ConfigError(
+            field,
+            f"{source!r} is neither a file nor a dataset in the local Hugging Face cache ({HF_HUB_CACHE})",
+            f"download it first (`hf download {repo} --repo-type dataset`) or give a local file",
+        ) from None
+    try:
+        with quiet():
+            splits = datasets.load_dataset(snapshot, cache_dir=cache_dir)
+    except Exception as e:  # the snapshot's files, in whatever shape they came
+        raise ConfigError(field, f"{source!r}: cannot be read ({e})".splitlines()[0], "fix or re-download it") from None
+    split = split or ("train" if "train" in splits else next(iter(splits)) if len(splits) == 1 else "")
+    if split not in splits:
+        raise ConfigError(
+            field, f"{source!r} has splits {sorted(splits)}", f"name one, e.g. {repo}:{next(iter(sorted(splits)))}"
+        )
+    table = splits[split]
+    return _documents(table, fmt, field, lambda i: f"{repo}:{split} row {i + 1}", f"{repo}:{split}")
+
+
+@contextlib.contextmanager
+def quiet():
+    """`datasets` reports progress bars and logs its own errors; ours are the ConfigErrors."""
+    import datasets
+
+    bars = datasets.utils.are_progress_bars_disabled()
+    level = datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+        if not bars:
+            datasets.enable_progress_bars()
+
+
+def _documents(table, fmt: str, field: str, where, label: str) -> list[Document]:
+    columns = set(table.column_names)
+    if fmt == "auto":
+        candidates = [f for f, needed in FORMAT_COLUMNS if set(needed) <= columns]
+        if not candidates:
+            raise ConfigError(
+                field,
+                f"{label} has columns {sorted(columns)}",
+                'give "text", "prompt"+"completion", "instruction"+"output" (alpaca), "conversations" (sharegpt) '
+                'or "messages" columns, or set data.format',
+            )
+    else:
+        candidates = [fmt]
+    needs = dict(FORMAT_COLUMNS)
+    docs = []
+    for i, row in enumerate(table):
+        present = {k for k, v in row.items() if v is not None}
+        chosen = next((f for f in candidates if set(needs[f]) <= present), candidates[0])
+        docs.append(_document(chosen, row, where(i), field))
+    return docs
+
+
+def _document(fmt: str, row: dict, where: str, field: str) -> Document:
+    def string(key: str, *, optional: bool = False) -> str:
+        value = row.get(key)
+        if value is None:
+            if optional:
+                return ""
+            raise ConfigError(
+                field, f'{where}: missing "{key}" ({fmt})', f'give every row a "{key}", or set data.format'
+            )
+        if not isinstance(value, str):
+            raise ConfigError(
+                field, f'{where}: "{key}" must be a string (got {type(value).__name__})', f'write "{key}" as text'
+            )
+        return value
+
+    if fmt == "text":
+        return Document(name=where, text=string("text"))
+    if fmt == "prompt-completion":
+        prompt, completion = string("prompt"), string("completion")
+        return Document(name=where, prompt=prompt, completion=completion, messages=_turns(prompt, completion))
+    if fmt == "alpaca":
+        instruction, extra, output = string("instruction"), string("input", optional=True), string("output")
+        plain = (ALPACA_INPUT if extra else ALPACA_NO_INPUT).format(instruction=instruction, input=extra)
+        user = f"{instruction}\n\n{extra}" if extra else instruction
+        return Document(name=where, prompt=plain, completion=output, messages=_turns(user, output))
+    if fmt == "sharegpt":
+        return Document(name=where, messages=_sharegpt(row.get("conversations"), where, field))
+    return Document(name=where, messages=_messages(row.get("messages"), where, field))
+
+
+def _turns(user: str, assistant: str) -> tuple:
+    return ({"role": "user", "content": user}, {"role": "assistant", "content": assistant})
+
+
+def _messages(value, where: str, field: str) -> tuple:
+    """A chat: a list of {"role": str, "content": str}, as chat templates expect."""
+    if isinstance(value, list):  # a column of structs fills keys other rows have with None
+        value = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in value]
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+        )
+    ):
+        raise ConfigError(
+            field,
+            f'{where}: messages must be a non-empty list of {{"role": ..., "content": ...}} objects',
+            'write e.g. "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]',
+        )
+    return tuple(value)
+
+
+def _sharegpt(value, where: str, field: str) -> tuple:
+    """ShareGPT's `conversations` ({"from": human | gpt | system, "value": str}) as chat messages."""
+    fix = 'write e.g. "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]'
+    if not isinstance(value, list) or not value:
+        raise ConfigError(field, f'{where}: "conversations" must be a non-empty list of turns (sharegpt)', fix)
+    out = []
+    for turn in value:
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            raise ConfigError(field, f'{where}: a turn must be {{"from": ..., "value": "text"}} (sharegpt)', fix)
+        role = SHAREGPT_ROLES.get(turn.get("from"))
+        if role is None:
+            raise ConfigError(
+                field,
+                f"{where}: unknown speaker {turn.get('from')!r} (sharegpt)",
+                f"use one of {', '.join(SHAREGPT_ROLES)}",
+            )
+        out.append({"role": role, "content": turn["value"]})
+    return tuple(out)
