@@ -266,3 +266,47 @@ def test_epochs_set_the_steps_from_the_packed_training_split(tiny_run, tmp_path)
     assert len(record["steps"]) != 3  # not the base settings' train.steps
     with pytest.raises(ConfigError, match=r"^train\.epochs: must be a number >= 0"):
         C.load(None, ["train.epochs=-1"])
+
+
+@pytest.mark.parametrize(("kind", "mode"), [("qwen3", "lora"), ("gemma3", "full")])
+def test_qwen3_and_gemma3_train_and_measure_as_their_derived_plan(tmp_path, kind, mode):
+    """Architectures without hand-written terms run in the engine, keep their mode's contract, and
+    their measured step agrees with the plan from derived terms (accept's own memory check, ±5 %)."""
+    import transformers
+
+    from trainplan.plan import analytic
+    from trainplan.verify.checks import check_memory
+
+    small = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 49152,  # the embedded tokenizer's
+        "max_position_embeddings": 256,
+    }
+    hf = transformers.Qwen3Config(**small) if kind == "qwen3" else transformers.Gemma3TextConfig(**small)
+    (tmp_path / "config.json").write_text(json.dumps(hf.to_dict()))
+    cfg = C.load(
+        None,
+        [f"model.source={tmp_path / 'config.json'}", "model.init=random", f"mode={mode}", "precision=fp32"]
+        + ["batch.seq_len=32", "batch.micro_batch_size=2", "train.steps=2", "train.eval_batches=1"]
+        + [f"train.output_dir={tmp_path / 'run'}", "checkpoint.every=0", f"model.cache_dir={tmp_path / 'cache'}"],
+    )
+    record = execute(cfg, quiet=True)[0]
+    assert record.contract["passed"], record.contract["detail"]
+    ledger = analytic.plan(C.load(None, [], {**_flat(record.config), "hardware.gpus": "cpu"}))
+    assert any("derived" in note for note in ledger.notes)
+    check = check_memory(record, ledger, 0.05)
+    assert check.passed, check.detail
+
+
+def _flat(config: dict) -> dict:
+    """A record's config as key=value settings (hardware.gpus is the device the run used)."""
+    out = {"mode": config["mode"], "precision": config["precision"]}
+    for section, values in config.items():
+        if isinstance(values, dict):
+            out |= {f"{section}.{k}": v for k, v in values.items()}
+    return out
