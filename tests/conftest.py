@@ -127,3 +127,33 @@ def small_pretrained(tiny_run, tmp_path_factory):
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture
+def screenshot(tmp_path):
+    """screenshot(html_path, height) -> {(r, g, b): pixel count} of the page rendered in headless
+    Chromium (Debian's; `make test` installs it). Skips where it is missing, except in CI."""
+    import os
+    import shutil
+    import subprocess
+
+    def shoot(html, height: int = 2400) -> dict:
+        browser = shutil.which("chromium") or shutil.which("chromium-browser")
+        if browser is None:
+            if os.environ.get("CI"):
+                pytest.fail("chromium is not installed (make test installs it from Debian's packages)")
+            pytest.skip("chromium not installed")
+        shot = tmp_path / "page.png"
+        args = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--window-size=1200,{height}"]
+        proc = subprocess.run(
+            [browser, *args, f"--screenshot={shot}", html.as_uri()], capture_output=True, text=True, timeout=120
+        )
+        assert shot.is_file(), proc.stderr[-2000:]
+        from PIL import Image
+
+        counts: dict = {}
+        for n, color in Image.open(shot).convert("RGB").getcolors(maxcolors=1 << 22):
+            counts[color] = counts.get(color, 0) + n
+        return counts
+
+    return shoot
