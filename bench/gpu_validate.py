@@ -222,7 +222,7 @@ def hf_trainer_row(cfg, r, device, steps: int) -> dict:
             build.hf_config(r.spec, cfg), dtype=build.dtypes(prec).frozen
         )
     model.config.use_cache = False
-    lora = cfg.lora
+    lora = r.cfg.lora  # target sets ("attention") expanded to module names by resolve
     model = peft.get_peft_model(
         model,
         peft.LoraConfig(

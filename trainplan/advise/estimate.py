@@ -71,6 +71,7 @@ def matmul_params(spec: ModelSpec) -> int:
 
 def adapter_params(spec: ModelSpec, r: int, targets: list[str]) -> int:
     """LoRA A (r x in) and B (out x r) for every targeted linear layer of every decoder layer."""
+    targets = spec.lora_modules(targets)  # "attention" / "all-linear" expanded, however targets came
     per_layer = sum(r * (lin.in_features + lin.out_features) for lin in spec.layer_linears if lin.module in targets)
     return per_layer * spec.num_layers
 
