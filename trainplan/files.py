@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from trainplan.errors import ConfigError
@@ -24,6 +27,36 @@ def write_atomic(path: str | Path, text: str) -> None:
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(out: str | Path) -> Iterator[Path]:
+    """A directory written in full or not at all: the caller fills the temporary directory this
+    yields, beside `out`; its files are fsynced and it is renamed into place only if the block
+    finishes. An existing `out` is moved aside first (a crash leaves one of the two), then removed."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        mask = _umask()
+        tmp.chmod(0o777 & ~mask)  # mkdtemp's 0700 would hide the directory from the user's group
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                f.chmod(0o666 & ~mask)  # some writers (safetensors) leave 0600
+                fsync_file(f)
+        fsync_dir(tmp)
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+        os.replace(tmp, out)
+        fsync_dir(out.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

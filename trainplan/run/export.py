@@ -14,12 +14,9 @@ safetensors only, built in a temporary directory beside the target and renamed i
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +25,7 @@ from torch import nn
 
 from trainplan import config as C
 from trainplan.errors import ConfigError
-from trainplan.files import fsync_dir, fsync_file
+from trainplan.files import atomic_dir
 from trainplan.resolve import resolve
 from trainplan.run import build, checkpoint, generate, weights
 from trainplan.run.checkpoint.manager import model_fingerprint
@@ -204,37 +201,6 @@ def refuse_existing(out: Path, *, force: bool, field: str = "-o") -> None:
         )
 
 
-@contextlib.contextmanager
-def atomic_dir(out: Path, *, force: bool):
-    """A directory written in full or not at all: the caller fills a temporary directory beside
-    `out`; it is fsynced and renamed into place only if the block finishes."""
-    out = Path(out)
-    refuse_existing(out, force=force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
-        mask = os.umask(0)
-        os.umask(mask)
-        tmp.chmod(0o777 & ~mask)  # mkdtemp's 0700 would hide the model from the user's group
-        yield tmp
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                f.chmod(0o666 & ~mask)  # some writers (safetensors) leave 0600
-                fsync_file(f)
-        fsync_dir(tmp)
-        old = None
-        if out.exists():  # --force: the old one moves aside first, so a crash leaves one of the two
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def _copy_result(result: Path, tmp: Path, field: str) -> None:
     """A result directory as it is, without pickled weights."""
     files = [f for f in sorted(result.iterdir()) if f.is_file()]
@@ -250,7 +216,8 @@ def export(src: Source, out: Path, *, merge: bool, base: str | None, force: bool
     PEFT adapter (LoRA), or the transformers directory (full). Returns what was written."""
     device = torch.device("cpu")  # a merge is a few matrix products per layer; the host holds the model
     fmt = "transformers" if merge or not src.adapter else "peft-adapter"
-    with atomic_dir(out, force=force) as tmp:
+    refuse_existing(out, force=force)
+    with atomic_dir(out) as tmp:
         if src.kind == "result" and not (merge and src.adapter):  # already in the format asked for
             _copy_result(src.path, tmp, field)
         else:
