@@ -99,3 +99,13 @@ def test_every_problem_is_reported_at_once(tmp_path, capsys):
 def test_settings_that_conflict_only_together_are_still_refused():
     with pytest.raises(C.ConfigError, match="guard.min_history"):
         C.load(None, ["guard.window=4", "guard.min_history=9"])
+
+
+def test_settings_checked_together_are_judged_with_the_whole_section():
+    """A check that reads two settings (min_history against window, eval_fraction 0 against
+    eval_source) sees the section's values, not the other setting's default."""
+    cfg = C.load(None, ["guard.window=256", "guard.min_history=200"])
+    assert (cfg.guard.window, cfg.guard.min_history) == (256, 200)
+    assert C.load(None, ["data.eval_fraction=0", "data.eval_source=eval.jsonl"]).data.eval_fraction == 0
+    with pytest.raises(ConfigError, match=r"^guard\.min_history: 200 exceeds guard\.window \(128\)"):
+        C.load(None, ["guard.min_history=200"])

@@ -48,6 +48,16 @@ def _fraction(section: str, name: str, value: Any, *, top: float = 1) -> None:
         )
 
 
+_ALONE = [False]  # _section is checking one setting on its own: checks of settings together wait
+
+
+def _together() -> bool:
+    """Whether a check that reads two settings applies now: not while _section checks one setting
+    beside the others' defaults (min_history against the default window, say), only once the
+    whole section is built."""
+    return not _ALONE[0]
+
+
 INITS = ("auto", "pretrained", "random")
 SCHEDULES = ("constant", "cosine")
 DATA_FORMATS = ("auto", "text", "prompt-completion", "alpaca", "sharegpt", "messages")
@@ -93,14 +103,12 @@ class DataConfig:
             raise ConfigError("data.source", "is empty", 'give a file, a directory, a cached dataset id, or "default"')
         _choice("data", "format", self.format, DATA_FORMATS)
         _fraction("data", "eval_fraction", self.eval_fraction)
-        if self.eval_fraction == 0 and not self.eval_source:
-            error = ConfigError(
+        if _together() and self.eval_fraction == 0 and not self.eval_source:
+            raise ConfigError(
                 "data.eval_fraction",
                 "is 0: quality needs held-out data",
                 "set it to e.g. 0.1, or give a separate evaluation set in data.eval_source",
             )
-            error.field = "data"  # two settings together: judged with the whole section (_section)
-            raise error
 
 
 @dataclass(kw_only=True)
@@ -217,7 +225,7 @@ class GuardConfig:
         _positive_int("guard", "window", self.window, minimum=2)
         for name in ("min_history", "rollback_skip", "max_rollbacks"):
             _positive_int("guard", name, getattr(self, name), minimum=0)
-        if self.min_history > self.window:  # the window never holds that many: spikes never checked
+        if _together() and self.min_history > self.window:  # the window never holds that many: never checked
             raise ConfigError(
                 "guard.min_history",
                 f"{self.min_history} exceeds guard.window ({self.window}), so spike detection would never start",
@@ -470,7 +478,11 @@ def _section(name: str, cls: type, body: dict, problems: list[ConfigError]):
             if isinstance(value, float) and not math.isfinite(value):  # nan and inf pass every range check
                 raise ConfigError(where, f"must be a finite number (got {value})", "give a finite value")
             check_type(where, fields[key], value)
-            cls(**{key: value})
+            _ALONE[0] = True
+            try:
+                cls(**{key: value})
+            finally:
+                _ALONE[0] = False
         except ConfigError as e:
             if e.field == where or key not in fields:
                 problems.append(e)
