@@ -62,6 +62,21 @@ MATRIX = [
     ("Gemma-3", "Gemma-3-1B", "full", 2, 1024, False, "H100-80GB", "ddp"),
     ("Gemma-3", "Gemma-3-1B", "full", 2, 2048, True, "H100-80GB", "ddp"),
     ("Gemma-3", "Gemma-3-1B", "lora", 4, 512, True, "H100-80GB", "ddp"),
+    # every architecture x mode x checkpointing the presets cover
+    ("Qwen2", "Qwen2.5-0.5B", "full", 4, 2048, True, "H100-80GB", "ddp"),
+    ("Qwen2", "Qwen2.5-0.5B", "lora", 4, 2048, False, "H100-80GB", "ddp"),
+    ("Mistral", "Mistral-7B-v0.3", "full", 1, 1024, False, "H200-141GB", "ddp"),
+    ("Mistral", "Mistral-7B-v0.3", "lora", 2, 2048, True, "H100-80GB", "ddp"),
+    ("Mistral", "Mistral-7B-v0.3", "inference", 4, 2048, False, "H100-80GB", "ddp"),
+    ("Gemma-2", "Gemma-2-9B", "full", 1, 1024, True, "H200-141GB", "ddp"),
+    ("Phi-3", "Phi-3-mini-4k", "full", 2, 2048, True, "H100-80GB", "ddp"),
+    ("Phi-3", "Phi-3-mini-4k", "lora", 2, 2048, True, "H100-80GB", "ddp"),
+    ("Phi-3", "Phi-3-mini-4k", "inference", 4, 2048, False, "H100-80GB", "ddp"),
+    ("GPT-2", "GPT-2", "lora", 4, 1024, True, "H100-80GB", "ddp"),
+    ("Qwen3", "Qwen3-0.6B", "full", 4, 4096, True, "H100-80GB", "ddp"),
+    ("Qwen3", "Qwen3-0.6B", "inference", 4, 4096, False, "H100-80GB", "ddp"),
+    ("Gemma-3", "Gemma-3-1B", "lora", 4, 1024, False, "H100-80GB", "ddp"),
+    ("Gemma-3", "Gemma-3-1B", "inference", 4, 2048, False, "H100-80GB", "ddp"),
 ]
 QUICK = [0, 2, 3, 4, 9, 22]
 
