@@ -1,62 +1,135 @@
 """How fast is `trainplan advise`: candidate configurations planned per second.
 
-Run: .venv/bin/python bench/advise_speed.py   (figures recorded in docs/advise.md)
+Run: .venv/bin/python bench/advise_speed.py [--write-doc]   (--write-doc rewrites the table in docs/advise.md)
 
-Target (issue 8): a search over at least 1,000 candidate configurations finishes in under 2 s.
-Every candidate is a full analytic `plan()`; the search time covers enumerating the ladder, planning
-every rung at micro-batch 1 and binary-searching its largest micro-batch, and the step-time
-estimates. Model loading (a preset's JSON) is outside it; the CLI wall time includes everything.
+Target (issue 22): the 70B search on 8 x A100 (>= 1,000 candidates) under 1.0 s median in-process
+and under 1.5 s CLI wall, on the 2-core dev machine; every case under 1.0 s. Every candidate is a
+full `plan()`; the search time covers enumerating the ladder, planning every rung at micro-batch 1
+and binary-searching its largest micro-batch, the step-time estimates and, when nothing fits, the
+search for what would. Model loading (a preset's JSON) is outside it; the CLI wall includes
+everything (interpreter start, imports, printing). tests/test_advise_snapshots.py runs these cases
+and holds their ranked lists byte for byte; tests/test_advise.py checks the doc's counts.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
+import re
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+# (model, devices, seq, global batch, mode)
 CASES = [
-    ("Llama-3.1-8B", "8xH100-80GB", 2048, 64),
-    ("Llama-3.1-70B", "8xH100-80GB", 2048, 64),
-    ("Qwen2.5-7B", "8xL4", 2048, 64),
-    ("Llama-3.1-8B", "RTX4090", 2048, 16),
+    ("Llama-3.1-8B", "8xH100-80GB", 2048, 64, "auto"),
+    ("Llama-3.1-70B", "8xA100-80GB", 2048, 64, "auto"),
+    ("Qwen2.5-7B", "8xL4", 2048, 64, "auto"),
+    ("Llama-3.1-405B", "8xH100-80GB", 2048, 8, "inference"),
 ]
+CLI_CASE = 1  # the CLI wall is measured on the 70B case
+TARGET_S, TARGET_CLI_S, MIN_CANDIDATES = 1.0, 1.5, 1000
+DOC = Path(__file__).parents[1] / "docs" / "advise.md"
+BEGIN, END = "<!-- advise_speed: begin -->", "<!-- advise_speed: end -->"
+
+
+def argv(case: tuple) -> list[str]:
+    model, gpus, seq, batch, mode = case
+    return ["advise", model, "--gpus", gpus, "--seq", str(seq), "--global-batch", str(batch), "--mode", mode]
+
+
+def argvs() -> list[list[str]]:
+    return [argv(c) for c in CASES]
+
+
+def run_case(case: tuple) -> tuple[int, int, int]:
+    """(rungs, candidates planned, rungs that fit) of one search, as `advise` runs it."""
+    from trainplan import cli
+    from trainplan.commands.advise import request_from_args
+    from trainplan.advise.search import search, what_would_fit
+
+    s = search(request_from_args(cli.build_parser().parse_args([*argv(case), "--registry", "off"])))
+    fits = sum(o.fits for o in s.outcomes)
+    extra = 0 if fits else what_would_fit(s)[2]
+    return len(s.outcomes), s.evaluated + extra, fits
+
+
+def label(case: tuple) -> str:
+    model, gpus, seq, batch, mode = case
+    count, _, kind = gpus.partition("x")
+    what = f"{model} {mode}" if mode != "auto" else model
+    return f"{what} on {count} x {kind}, seq {seq}, batch {batch}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=7, help="searches per case (median reported)")
+    ap.add_argument("--write-doc", action="store_true", help="rewrite the table in docs/advise.md")
     opts = ap.parse_args()
 
     from trainplan import cli
-    from trainplan.advise.command import request_from_args
-    from trainplan.advise.search import search
+    from trainplan.commands.advise import request_from_args
+    from trainplan.advise.search import search, what_would_fit
 
-    print(f"{'case':50s} {'rungs':>6s} {'candidates':>11s} {'fit':>5s} {'median s':>9s} {'ms/cand.':>9s}  target")
-    for model, gpus, seq, batch in CASES:
-        argv = ["advise", model, "--gpus", gpus, "--seq", str(seq), "--global-batch", str(batch)]
-        request = request_from_args(cli.build_parser().parse_args(argv))
-        seconds, result = [], None
+    rows = []
+    for case in CASES:
+        request = request_from_args(cli.build_parser().parse_args([*argv(case), "--registry", "off"]))
+        seconds = []
         for _ in range(opts.repeat):
             t0 = time.perf_counter()
-            result = search(request)
+            s = search(request)
+            fits = sum(o.fits for o in s.outcomes)
+            extra = 0 if fits else what_would_fit(s)[2]
             seconds.append(time.perf_counter() - t0)
-        med = statistics.median(seconds)
-        n = result.evaluated
-        fits = sum(o.fits for o in result.outcomes)
-        verdict = ("met" if med < 2 else "MISSED") if n >= 1000 else "(< 1,000 candidates)"
-        label = f"{model} on {gpus}, seq {seq}, batch {batch}"
-        print(f"{label:50s} {len(result.outcomes):6d} {n:11,d} {fits:5d} {med:9.2f} {med / n * 1e3:9.2f}  {verdict}")
+        med, n = statistics.median(seconds), s.evaluated + extra
+        verdict = "met" if med < TARGET_S else "MISSED"
+        rows.append((label(case), len(s.outcomes), n, fits, med, min(seconds), max(seconds), verdict))
+        print(
+            f"{rows[-1][0]:62s} rungs {len(s.outcomes):4d}  candidates {n:6,d}  fit {fits:4d}  "
+            f"median {med:.3f} s ({min(seconds):.3f}-{max(seconds):.3f})  {verdict}",
+            flush=True,
+        )
 
-    model, gpus, seq, batch = CASES[0]
-    argv = ["advise", model, "--gpus", gpus, "--seq", str(seq), "--global-batch", str(batch)]
     walls = []
-    for _ in range(3):
+    for _ in range(5):
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "trainplan", *argv], capture_output=True, check=True)
+        subprocess.run([sys.executable, "-m", "trainplan", *argv(CASES[CLI_CASE])], capture_output=True, check=False)
         walls.append(time.perf_counter() - t0)
-    print(f"\nCLI wall, {model} on {gpus} (median of 3): {statistics.median(walls):.2f} s")
+    wall = statistics.median(walls)
+    cli_verdict = "met" if wall < TARGET_CLI_S else "MISSED"
+    print(f"\nCLI wall, {label(CASES[CLI_CASE])} (median of 5): {wall:.2f} s  {cli_verdict}")
+
+    if opts.write_doc:
+        load = os.getloadavg()[0]
+        lines = [
+            BEGIN,
+            f"Command: `.venv/bin/python bench/advise_speed.py --write-doc` ({datetime.date.today()}, "
+            f"{os.cpu_count()} CPUs, load average {load:.1f} at the end; median of {opts.repeat} searches "
+            "each; every candidate is a full `plan()`).",
+            "",
+            "| case | rungs | candidates planned | fit | search, median | range | per candidate | target 1.0 s |",
+            "|---|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for name, rungs, n, fits, med, lo, hi, verdict in rows:
+            lines.append(
+                f"| {name} | {rungs} | {n:,} | {fits} | {med:.3f} s | {lo:.3f}-{hi:.3f} s | "
+                f"{med / n * 1e3:.2f} ms | {verdict} |"
+            )
+        lines += [
+            "",
+            f"CLI wall time, everything included, for the {label(CASES[CLI_CASE])} case: **{wall:.2f} s** "
+            f"(median of 5; target {TARGET_CLI_S} s: {cli_verdict}).",
+            END,
+        ]
+        text = DOC.read_text()
+        new, count = re.subn(re.escape(BEGIN) + ".*?" + re.escape(END), "\n".join(lines), text, flags=re.S)
+        if count != 1:
+            sys.exit(f"{DOC}: the markers {BEGIN} ... {END} are missing")
+        DOC.write_text(new)
+        print(f"wrote the table in {DOC}")
 
 
 if __name__ == "__main__":

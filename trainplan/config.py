@@ -217,7 +217,8 @@ class GuardConfig:
     rollback_skip: int = 0  # rollback skips the batches from the checkpoint through the bad step, and this many more
     rollback_lr_factor: float = 1.0  # multiply the learning rate after a rollback (e.g. 0.5)
     max_rollbacks: int = 3  # then stop
-    inject: list[str] = field(default_factory=list)  # fault injection for tests: "nan-loss@5", "spike@9"
+    # fault injection for tests: "nan-loss@5", "spike@9"; a KIND@STEP listed twice fires on the step's replay too
+    inject: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):

@@ -1,5 +1,6 @@
 """The stability guard: detection at the step, skip / rollback / stop, and agreement across ranks."""
 
+import functools
 import json
 import math
 import subprocess
@@ -120,11 +121,13 @@ def test_rollback_restores_the_checkpoint_skips_batches_and_completes(tiny_run, 
     )
     (event,) = record["guard"]["events"]
     assert event["action"] == "rollback" and event["restored_step"] == 4 and event["restored_from"] == "step-00000004"
-    skipped = event["skipped_batch_ids"][0]
+    skipped = event["skipped_ids"]
     # the batches from the checkpoint through the bad step (5, 6), and rollback_skip = 2 more
-    assert len(skipped) == (6 - 4 + 2) * 4
-    done = [s["step"] for s in record["steps"]]
-    assert done == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]  # steps 5-6 again after the rollback, then to the end
+    assert len(set(skipped)) == (6 - 4 + 2) * 4 and record["skipped_samples"] == skipped
+    # steps 5-6 ran again after the rollback, and count once: their first runs are in the event
+    assert [s["step"] for s in record["steps"]] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [s["step"] for s in event["replaced_steps"]] == [5, 6]
+    assert [s.get("replayed") for s in record["steps"]] == [None] * 4 + [1, 1, None, None]
     lrs = {s["step"]: s["lr"] for s in record["steps"]}
     assert lrs[7] == pytest.approx(0.5 * record["steps"][0]["lr"])  # the lowered LR
     assert record["contract"]["passed"]
@@ -251,3 +254,91 @@ def test_accept_does_not_count_the_fp16_scalers_own_skips_as_instability():
     assert accept.check_instability(record).passed
     config["precision"] = "fp32"  # without a GradScaler the same inf is an instability
     assert not accept.check_instability(record).passed
+
+
+def test_a_second_rollback_skips_new_data_and_a_replay_counts_once(tiny_run, tmp_path, monkeypatch):
+    """Issue 22: a spike at step 6, and another on the batch that replaced it (spike@6 twice).
+    Each rollback restores step 5 and skips, by sample id, the batches from it through the bad step
+    plus guard.rollback_skip more: the second skips new data, never the first's again. The replays
+    count once. The final weights are bitwise those of a run that never saw the skipped samples."""
+    from trainplan.run import data
+
+    settings = ["train.steps=6", "guard.window=4", "guard.min_history=4", "guard.on_spike=rollback"]
+    record = run(
+        tiny_run,
+        tmp_path / "rolled",
+        *settings,
+        f"checkpoint.dir={tmp_path / 'ck'}",
+        "checkpoint.every=1",
+        "guard.rollback_skip=1",
+        "guard.inject=['spike@6', 'spike@6']",
+    )
+    first, second = record["guard"]["events"]
+    for event in (first, second):
+        assert (event["step"], event["kind"], event["action"]) == (6, "spike", "rollback")
+        assert event["restored_from"] == "step-00000005"
+        # the offending batch and rollback_skip = 1 more step's: 2 x 4 samples, none skipped twice
+        (offending,) = event["batch_ids"]
+        assert event["skipped_ids"][:4] == offending and len(set(event["skipped_ids"])) == 8
+    assert not set(first["skipped_ids"]) & set(second["skipped_ids"])  # the second skipped new data
+    assert record["skipped_samples"] == first["skipped_ids"] + second["skipped_ids"]
+    # six steps in the record (the summary's count), step 6 by its third run; its first two are in the events
+    assert [s["step"] for s in record["steps"]] == [1, 2, 3, 4, 5, 6] and record["steps"][-1]["replayed"] == 2
+    assert [s["step"] for s in first["replaced_steps"] + second["replaced_steps"]] == [6, 6]
+    assert record["final"]["scheduler_step"] == 6
+    state = json.loads((tmp_path / "ck" / "step-00000006" / "state.json").read_text())
+    assert state["sampler"]["skipped"] == record["skipped_samples"]  # a resumed run keeps skipping them
+
+    # a run whose sampler leaves those samples out from the start: no event, the same steps, bitwise
+    skipped = record["skipped_samples"]
+    monkeypatch.setattr(data, "StatefulSampler", functools.partial(data.StatefulSampler, exclude=skipped))
+    clean = run(tiny_run, tmp_path / "clean", *settings)
+    assert clean["guard"]["events"] == [] and clean["skipped_samples"] == skipped
+
+    def history(r):
+        return [(s["loss"], s["grad_norm"]) for s in r["steps"]]
+
+    assert history(clean) == history(record)
+    for key in ("weights_hash", "optimizer_hash", "next_batch", "scheduler_step"):
+        assert clean["final"][key] == record["final"][key], key
+
+
+def test_a_second_rollback_with_nothing_new_to_skip_stops(tiny_run, tmp_path, capsys):
+    """train.overfit_batches: every step trains on the same batch, so a rollback has nothing to
+    skip. The first one still replays (from step 3); a second one to the same checkpoint would
+    train on the same data again, so the run stops (exit 3) with an event that says why."""
+    root, base = tiny_run
+    settings = [*base, "train.steps=4", f"train.output_dir={tmp_path}", "train.overfit_batches=1"]
+    settings += [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every=1", "guard.window=3", "guard.min_history=3"]
+    settings += ["guard.on_spike=rollback", "guard.inject=['spike@4', 'spike@4']", "train.measure_memory=false"]
+    assert cli.main(["train", *(x for item in settings for x in ("--set", item))]) == EXIT_GUARD_STOP
+    assert "stopped by the stability guard at step 4" in capsys.readouterr().out
+    record = json.loads((tmp_path / "record.json").read_text())
+    first, second = record["guard"]["events"]
+    assert (first["action"], first["restored_from"], first["skipped_ids"]) == ("rollback", "step-00000003", [])
+    assert second["action"] == "stop" and "restored_from" not in second
+    assert second["note"].startswith("rolled back to step-00000003 before, and nothing new to skip since")
+    assert record["stopped"]["step"] == 4 and [s["step"] for s in record["steps"]] == [1, 2, 3, 4]
+    assert record["skipped_samples"] == []
+
+
+def test_skipped_samples_are_left_out_on_every_rank_and_survive_a_restore():
+    """The skip set is by sample id over the one global order, so 2 ranks together take what 1
+    rank takes; loading an older state (a rollback's checkpoint) adds to it, never replaces it; a
+    state written before skip sets existed (per-rank position, no ids) still loads."""
+    from trainplan.run import data
+
+    one = data.StatefulSampler(40, seed=1)
+    before = one.state_dict()
+    first = one.take_global(4)
+    one.load_state_dict(before)  # restore the older position ...
+    assert one.skip(first + first[:2]) == first and one.skipped == first  # each id once
+    one.load_state_dict(before)  # ... whose state lacks the skipped ids: they stay skipped
+    two = [data.StatefulSampler(40, seed=1, rank=r, world=2, exclude=first) for r in range(2)]
+    taken = [s.take(8) for s in two]
+    assert [i for pair in zip(*taken, strict=True) for i in pair] == one.take(16)
+    assert not set(first) & set(one.take(40 - 20))  # through the end of the epoch: never drawn
+    old = {"epoch": 0, "position": 3, "seed": 1, "n": 40, "world": 2}  # 6 samples consumed on 2 ranks
+    fresh = data.StatefulSampler(40, seed=1)
+    fresh.load_state_dict(old)
+    assert fresh.take(1) == data.StatefulSampler(40, seed=1).take(7)[6:] and fresh.skipped == []

@@ -262,11 +262,19 @@ def fingerprint(docs: list[Document]) -> str:
 class StatefulSampler:
     """Deterministic shuffled order per epoch; its position is state, so a resumed run continues
     where it stopped instead of replaying or skipping batches. Data-parallel ranks take strided
-    slices of the same permutation."""
+    slices of one global permutation from one global position, the same on every rank.
 
-    def __init__(self, n: int, *, seed: int, rank: int = 0, world: int = 1):
+    `skipped`: sample ids (rows of the packed training set) left out for the rest of the run, in
+    every epoch: the ones a rollback skipped, or `exclude` given from the start. They are part of
+    the state, and loading a state adds its ids to them instead of replacing them, so a rollback
+    that restores an older checkpoint keeps leaving out what was skipped since."""
+
+    def __init__(self, n: int, *, seed: int, rank: int = 0, world: int = 1, exclude=()):
         self.n, self.seed, self.rank, self.world = n, seed, rank, world
-        self.epoch, self.position = 0, 0
+        self.epoch, self.position = 0, 0  # position: an index into the epoch's global order
+        self.skipped: list[int] = []
+        self._skipped: set[int] = set()
+        self.skip(exclude)
         self._order = self._permutation()
         if not self._order:
             raise ConfigError(
@@ -278,21 +286,51 @@ class StatefulSampler:
     def _permutation(self) -> list[int]:
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.n, generator=g).tolist()
-        usable = len(order) - len(order) % self.world  # every rank gets the same count
-        return order[self.rank : usable : self.world]
+        return order[: len(order) - len(order) % self.world]  # every rank gets the same count
 
-    def take(self, k: int) -> list[int]:
-        out = []
-        while len(out) < k:
+    def skip(self, ids) -> list[int]:
+        """Leave these sample ids out from now on; returns the ones not left out already."""
+        new = [i for i in dict.fromkeys(ids) if i not in self._skipped]
+        self.skipped += new
+        self._skipped.update(new)
+        return new
+
+    def take_global(self, k: int) -> list[int]:
+        """The next k samples of every rank, in global order (rank r's are [r::world])."""
+        out, misses = [], 0
+        while len(out) < k * self.world:
             if self.position >= len(self._order):
                 self.epoch, self.position = self.epoch + 1, 0
                 self._order = self._permutation()
-            out.append(self._order[self.position])
+            if misses > 2 * self.n:  # two epochs and not one sample left to take
+                raise ConfigError(
+                    "guard.rollback_skip",
+                    f"rollbacks have skipped every one of the {self.n} training sequences",
+                    "add data, lower guard.rollback_skip, or find what makes the run unstable",
+                )
+            i = self._order[self.position]
             self.position += 1
+            if i in self._skipped:
+                misses += 1
+            else:
+                out.append(i)
+                misses = 0
         return out
 
+    def take(self, k: int) -> list[int]:
+        """This rank's next k samples."""
+        return self.take_global(k)[self.rank :: self.world]
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "n": self.n, "world": self.world}
+        return {
+            "epoch": self.epoch,
+            "position": self.position // self.world,  # per rank: what checkpoints before global_position held
+            "global_position": self.position,
+            "seed": self.seed,
+            "n": self.n,
+            "world": self.world,
+            "skipped": list(self.skipped),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["n"] != self.n or state["seed"] != self.seed:
@@ -301,11 +339,11 @@ class StatefulSampler:
                 "the checkpoint's data does not match this run's (size or seed differs)",
                 "resume with the same data and seed",
             )
-        self.epoch, self.position = state["epoch"], state["position"]
-        old_world = state.get("world", self.world)
-        if old_world != self.world:  # ranks stride one global permutation: continue at the same global index
-            consumed = state["position"] * old_world
-            self.position = -(-consumed // self.world)  # round up: never replay a sample
+        self.epoch = state["epoch"]
+        # one global position, so another world size continues at the same global index; older
+        # states held the per-rank position of ranks striding the permutation
+        self.position = state.get("global_position", state["position"] * state.get("world", self.world))
+        self.skip(state.get("skipped", ()))  # added to, never replaced: skipped samples stay skipped
         self._order = self._permutation()
 
 

@@ -104,6 +104,7 @@ class Trainer:
         self.record = record.header(job)
         self.state: TrainState | None = None
         self.phase_peaks: dict[str, int] = {}  # evaluate, save: the device's measured peak in each
+        self.replays: dict[int, int] = {}  # step -> how many of its runs a rollback undid
         self.settings = step.StepSettings(
             prec=job.resolved.precision,
             device_type=job.env.device.type,
@@ -192,12 +193,14 @@ class Trainer:
                 if "hang" in injections.get(state.step + 1, ()) and self.env.rank == self.env.world - 1:
                     os.kill(os.getpid(), signal.SIGSTOP)  # fault injection (tests): a hung peer
                 entry = self.step(
-                    state, guard, fixed, metered=state.step == measure_at, inject=injections.pop(state.step + 1, ())
+                    state, guard, fixed, metered=state.step == measure_at, inject=attempt(injections, state.step + 1)
                 )
                 event = guard.event
                 if event is not None:
+                    rolled_back = event["action"] == "rollback" and ckpt.rollback(state, event, sampled=not fixed)
                     self.report(event)
-                    if event["action"] == "rollback" and ckpt.rollback(state, event):
+                    if rolled_back:
+                        event["replaced_steps"] = self.replay_from(state.step)
                         continue
                     if event["action"] == "stop":
                         ckpt.save(state, force=True)
@@ -214,6 +217,7 @@ class Trainer:
             rec.train_seconds = time.perf_counter() - t_train
             stage.result = f"at step {state.step}/{cfg.train.steps}, {state.tokens_seen:,} tokens seen"
         rec.sampler = state.sampler.state_dict()
+        rec.skipped_samples = list(state.sampler.skipped)
         rec.final = record.fingerprints(self.model, state, self.job.resolved.batch)
         out = Path(cfg.train.output_dir)
         with self.progress.stage("save", f"the {cfg.mode} result to {out / result.DIRNAME}"), self._meter("save"):
@@ -258,19 +262,45 @@ class Trainer:
         }
         if not res.applied:
             entry["skipped"] = True
+        if self.replays.get(entry["step"]):
+            entry["replayed"] = self.replays[entry["step"]]  # times its earlier runs were rolled back
         self.record.steps.append(entry)
         state.step += 1
         state.tokens_seen += tokens
         return entry
 
+    def replay_from(self, step: int) -> list[dict]:
+        """After a rollback to `step`: the entries of the later steps leave the history, so a step
+        counts once, by its last run; returns them for the rollback event that replaced them."""
+        steps = self.record.steps
+        kept = [s for s in steps if s["step"] <= step]
+        replaced = steps[len(kept) :]
+        steps[:] = kept
+        for s in replaced:
+            self.replays[s["step"]] = self.replays.get(s["step"], 0) + 1
+        return replaced
+
     def report(self, event: dict) -> None:
         self.state.guard.events.append(event)
         if self.env.is_main:  # a warning: shown under --quiet too
+            note = f": {event['note']}" if "note" in event else ""
             self.progress.line(
                 f"trainplan train: guard: step {event['step']} {event['key']} {event['kind']} "
-                f"({event['value']:.4g}) -> {event['action']}",
+                f"({event['value']:.4g}) -> {event['action']}{note}",
                 logging.WARNING,
             )
+
+
+def attempt(injections: dict[int, list[str]], step: int) -> tuple[str, ...]:
+    """The faults injected into this run of `step` (tests): one of each kind listed for it, so a
+    kind listed twice (spike@6 twice) fires again when a rollback replays the step."""
+    kinds = injections.get(step, [])
+    now = tuple(dict.fromkeys(kinds))
+    for kind in now:
+        kinds.remove(kind)
+    if not kinds:
+        injections.pop(step, None)
+    return now
 
 
 def generate(model, tokenizer, env: dist.DistEnv, prompt: str = "def fibonacci(n):", tokens: int = 16) -> dict:

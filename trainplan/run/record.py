@@ -57,6 +57,11 @@ class RunRecord:
     guard: dict | None = None  # the guard's settings and the events it acted on
     stopped: dict | None = None  # the event that stopped the run
     sampler: dict | None = None  # the data position at the end
+    # sample ids (rows of the packed training set) the run left out after rollbacks, each once, in the
+    # order skipped; a resumed run's include its checkpoint's. Each rollback event lists its own
+    # (guard.events: skipped_ids) and the step entries it undid (replaced_steps); a step in `steps`
+    # ran once, or is its replay ("replayed": how many of its runs were rolled back).
+    skipped_samples: list[int] | None = None
     final: dict | None = None  # weights / optimizer hashes and the next batch (verify-resume)
     result: dict | None = None  # where the trained model or adapter was saved, and in what format
     interrupted: dict | None = None  # SIGINT / SIGTERM: the signal and the step the run stopped after

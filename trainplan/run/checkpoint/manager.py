@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import uuid
@@ -77,6 +78,8 @@ class CheckpointManager:
         # decides, not this world's layout: a zero3 run on one process ("single") writes DCP too.
         self.sharded = cfg.parallel.strategy in PARAM_SHARDING_STRATEGIES
         self.last: Path | None = None
+        self.last_step, self.last_sampler = 0, None  # the step and data position `last` holds
+        self.rolled_back_to: Path | None = None  # the previous rollback's checkpoint
         self.expect = {"model_fingerprint": model_fingerprint(r), "mode": cfg.mode, "compat": compat(r)}
         # This run's lineage: a fresh id, or the id of the run it resumes (set by maybe_resume).
         # Pruning and rollback touch only this lineage's checkpoints.
@@ -104,6 +107,7 @@ class CheckpointManager:
             sharded=self.sharded,
             kill=next((k for k in self.cfg.guard.injections().get(state.step, ()) if k in C.KILL_KINDS), None),
         )
+        self.last_step, self.last_sampler = state.step, state.sampler.state_dict()
 
     def _load(self, path: Path, state) -> dict:
         saved = ckpt.load(
@@ -118,10 +122,12 @@ class CheckpointManager:
         state.load_state_dict(saved)
         return saved
 
-    def rollback(self, state, event: dict) -> bool:
+    def rollback(self, state, event: dict, *, sampled: bool = True) -> bool:
         """Restore the newest valid checkpoint of this run, skip the batches from it through the bad
-        step plus `guard.rollback_skip` more, optionally lower the LR. False when the event's action
-        changed instead (no checkpoint: skip; too many rollbacks: stop)."""
+        step plus `guard.rollback_skip` more, by sample id, optionally lower the LR. False when the
+        event's action changed instead (no checkpoint: skip; too many rollbacks, or a second one to
+        the same checkpoint with nothing new to skip: stop). `sampled`: the steps draw their batches
+        from the sampler (not train.overfit_batches' fixed ones), so skipping changes the data."""
         g = self.cfg.guard
         rollbacks = state.guard.rollbacks
         if rollbacks >= g.max_rollbacks:
@@ -133,13 +139,18 @@ class CheckpointManager:
             event["action"] = "skip"
             event["note"] = "no valid checkpoint of this run to roll back to: the step was skipped instead"
             return False
-        self._load(path, state)
+        skipped = self._window(state.sampler, event["step"] + g.rollback_skip) if sampled else []
+        if not skipped and path == self.rolled_back_to:
+            event["action"] = "stop"
+            event["note"] = (
+                f"rolled back to {path.name} before, and nothing new to skip since: the replay would train on "
+                "the same data again; stopping"
+            )
+            return False
+        self._load(path, state)  # the sampler keeps its skipped ids (loading adds to them)
+        state.sampler.skip(skipped)
         state.guard.rollbacks = rollbacks + 1
-        # As PaLM did: skip the batches seen between the checkpoint and the bad step, that one
-        # included, plus guard.rollback_skip more after it.
-        per_step = self.batch.micro_batch_size * self.batch.grad_accum_steps
-        steps = event["step"] - state.step + g.rollback_skip
-        skipped = [i for _ in range(steps) for i in state.sampler.take(per_step)]
+        self.rolled_back_to = path
         if g.rollback_lr_factor != 1.0:
             scheduler = state.scheduler
             scheduler.base_lrs = [b * g.rollback_lr_factor for b in scheduler.base_lrs]
@@ -149,7 +160,7 @@ class CheckpointManager:
         event.update(
             restored_from=path.name,
             restored_step=state.step,
-            skipped_batch_ids=self.env.gather(skipped),
+            skipped_ids=skipped,
             lr_factor=g.rollback_lr_factor,
         )
         return True
@@ -186,5 +197,15 @@ class CheckpointManager:
         info["loaded"] = state_hashes(model, state.optimizer)
         for note in saved["notes"] if self.env.is_main else []:
             print(f"trainplan train: resume: {note}", file=sys.stderr)
-        self.last = path
+        self.last, self.last_step, self.last_sampler = path, state.step, state.sampler.state_dict()
         return {**info, "notes": saved["notes"], "from": str(path), "step": saved["step"]}
+
+    def _window(self, sampler, through_step: int) -> list[int]:
+        """As PaLM did: the sample ids the batches from the last checkpoint through `through_step`
+        were or would be drawn from, replayed from the checkpoint's data position with the ids
+        skipped so far left out, so none of them is drawn or skipped twice. In the global order:
+        every rank computes the same list."""
+        probe = copy.deepcopy(sampler)
+        probe.load_state_dict(self.last_sampler)
+        draws = (through_step - self.last_step) * self.batch.grad_accum_steps  # one per micro-batch, as the loop
+        return list(dict.fromkeys(i for _ in range(draws) for i in probe.take_global(self.batch.micro_batch_size)))

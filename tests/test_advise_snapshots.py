@@ -1,0 +1,57 @@
+"""The advisor's ranked lists, byte for byte: the speed work on the search (issue 22) must not
+change a single entry. The cases are bench/advise_speed.py's. Regenerate on purpose only:
+
+    TRAINPLAN_UPDATE_SNAPSHOTS=1 .venv/bin/python -m pytest tests/test_advise_snapshots.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import io
+import json
+import os
+from contextlib import redirect_stdout
+from pathlib import Path
+
+from trainplan import cli
+
+SNAPSHOTS = Path(__file__).parent / "advise_snapshots.json"
+BENCH = Path(__file__).parents[1] / "bench" / "advise_speed.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("advise_speed", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def advise(argv: list[str]) -> dict:
+    """The sha256 of the JSON document of every entry that fits (without the search's wall time),
+    and one line per entry, so that a difference shows where it is."""
+    out = io.StringIO()
+    with redirect_stdout(out):
+        cli.main([*argv, "--format", "json", "--top", "0", "--registry", "off"])
+    doc = json.loads(out.getvalue())
+    doc.pop("seconds")
+    text = json.dumps(doc, indent=1, sort_keys=True)
+    ranked = [
+        f"{e['rank']} {e['summary']} | micro {e['micro_batch_size']} | peak {e['peak']['total_bytes']} on "
+        f"{e['peak']['device']} | step {e['estimate'] and e['estimate']['step_seconds']!r}"
+        for e in doc["entries"]
+    ]
+    counts = {k: doc[k] for k in ("rungs", "fit", "evaluated")}
+    return {"sha256": hashlib.sha256(text.encode()).hexdigest(), "counts": counts, "ranked": ranked}
+
+
+def test_ranked_lists_are_byte_identical_to_the_snapshots():
+    got = {" ".join(argv): advise(argv) for argv in _bench().argvs()}
+    if os.environ.get("TRAINPLAN_UPDATE_SNAPSHOTS"):
+        SNAPSHOTS.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+    want = json.loads(SNAPSHOTS.read_text())
+    assert sorted(got) == sorted(want)
+    for case, doc in got.items():
+        assert doc["counts"] == want[case]["counts"], case
+        assert doc["ranked"] == want[case]["ranked"], case  # shows the first entry that differs
+        assert doc["sha256"] == want[case]["sha256"], case  # every field of every entry, byte for byte
