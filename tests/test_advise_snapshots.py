@@ -14,6 +14,8 @@ import os
 from contextlib import redirect_stdout
 from pathlib import Path
 
+import pytest
+
 from trainplan import cli
 
 SNAPSHOTS = Path(__file__).parent / "advise_snapshots.json"
@@ -42,11 +44,17 @@ def advise(argv: list[str]) -> dict:
         for e in doc["entries"]
     ]
     counts = {k: doc[k] for k in ("rungs", "fit", "evaluated")}
+    counts["planned"] = doc["evaluated"] + (doc["nothing_fits"]["evaluated"] if doc["nothing_fits"] else 0)
     return {"sha256": hashlib.sha256(text.encode()).hexdigest(), "counts": counts, "ranked": ranked}
 
 
-def test_ranked_lists_are_byte_identical_to_the_snapshots():
-    got = {" ".join(argv): advise(argv) for argv in _bench().argvs()}
+@pytest.fixture(scope="module")
+def searched() -> dict[str, dict]:
+    return {" ".join(argv): advise(argv) for argv in _bench().argvs()}
+
+
+def test_ranked_lists_are_byte_identical_to_the_snapshots(searched):
+    got = searched
     if os.environ.get("TRAINPLAN_UPDATE_SNAPSHOTS"):
         SNAPSHOTS.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
     want = json.loads(SNAPSHOTS.read_text())
@@ -55,3 +63,20 @@ def test_ranked_lists_are_byte_identical_to_the_snapshots():
         assert doc["counts"] == want[case]["counts"], case
         assert doc["ranked"] == want[case]["ranked"], case  # shows the first entry that differs
         assert doc["sha256"] == want[case]["sha256"], case  # every field of every entry, byte for byte
+
+
+def test_the_docs_speed_table_quotes_todays_counts(searched):
+    """docs/advise.md's table (written by bench/advise_speed.py --write-doc): one row per bench case,
+    and its rungs, candidates planned and fit are what the search produces now."""
+    bench = _bench()
+    text = bench.DOC.read_text()
+    table = text[text.index(bench.BEGIN) : text.index(bench.END)]
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) > 4 and cells[1].isdigit():
+            rows[cells[0]] = [int(c.replace(",", "")) for c in cells[1:4]]
+    assert sorted(rows) == sorted(bench.label(c) for c in bench.CASES)
+    for case in bench.CASES:
+        counts = searched[" ".join(bench.argv(case))]["counts"]
+        assert rows[bench.label(case)] == [counts["rungs"], counts["planned"], counts["fit"]], bench.label(case)

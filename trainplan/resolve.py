@@ -46,6 +46,8 @@ class Resolved:
 def with_lora_modules(cfg: C.RunConfig, spec: ModelSpec) -> C.RunConfig:
     """cfg with its LoRA target sets ("attention", "all-linear") expanded to spec's module names."""
     modules = list(spec.lora_modules(cfg.lora.target_modules))
+    if modules == cfg.lora.target_modules:  # already module names (the advisor's rungs)
+        return cfg
     return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, target_modules=modules))
 
 

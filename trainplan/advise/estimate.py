@@ -13,6 +13,7 @@ import os
 import sqlite3
 import statistics
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -245,10 +246,12 @@ def catalog_name(name: str) -> str | None:
     return known.name if known else None
 
 
-def records_from_registry(path: str | Path) -> list[dict]:
+def records_from_registry(path: str | Path, devices: Iterable[str] | None = None) -> list[dict]:
     """Rows of the run registry's `runs` table (device, tokens_per_s, config_toml), each with the
     tokens/s this estimator predicts for its config at the assumed MFU. A missing file or table, or
-    a row whose config no longer resolves (a model file gone), gives nothing for that row."""
+    a row whose config no longer resolves (a model file gone), gives nothing for that row.
+    `devices`: only rows measured on these (catalog names or "cpu"), the only ones a calibration
+    for them reads; the others' configs are not parsed (a registry grows with every run)."""
     path = Path(path)
     if not path.is_file():
         return []
@@ -257,10 +260,11 @@ def records_from_registry(path: str | Path) -> list[dict]:
             rows = db.execute("SELECT device, tokens_per_s, config_toml FROM runs").fetchall()
     except sqlite3.Error:
         return []
+    wanted = None if devices is None else set(devices)
     records, specs = [], {}
     for name, tokens_per_s, config_toml in rows:
         device = catalog_name(name or "")
-        if device is None or not tokens_per_s:
+        if device is None or not tokens_per_s or (wanted is not None and device not in wanted):
             continue
         try:
             cfg = C.from_dict(tomllib.loads(config_toml))
@@ -268,7 +272,10 @@ def records_from_registry(path: str | Path) -> list[dict]:
             gpus = f"{world}x{device}" if world > 1 else device
             cfg = replace(cfg, hardware=replace(cfg.hardware, gpus=gpus, gpu_mem=None))
             if cfg.model.source not in specs:
+                specs[cfg.model.source] = None  # a source that does not load is tried once
                 specs[cfg.model.source] = load_model_spec(cfg.model.source)
+            if specs[cfg.model.source] is None:
+                continue
             predicted = estimate(resolve(cfg, specs[cfg.model.source])).tokens_per_s
         except (TrainplanError, tomllib.TOMLDecodeError, TypeError, ValueError):
             continue

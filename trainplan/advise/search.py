@@ -22,10 +22,12 @@ from dataclasses import dataclass, field, replace
 from trainplan import config as C
 from trainplan.advise.estimate import StepEstimate, estimate
 from trainplan.errors import ConfigError
-from trainplan.plan.analytic import plan, resolve
+from trainplan.plan.analytic import plan_resolved
 from trainplan.plan.ledger import DeviceLedger, Ledger, gib
+from trainplan.resolve import Resolved, resolve
 from trainplan.spec.devices import CATALOG, DeviceSpec, parse_devices
 from trainplan.spec.model import ModelSpec
+from trainplan.spec.parallel import resolve_batch
 
 TRAIN_MODES = ("full", "lora", "qlora")
 # ZeRO-1/2 would shard only a LoRA adapter's tiny states; inference replicas hold no training state
@@ -239,10 +241,25 @@ class _Planner:
         self.request, self.evaluated, self.base = request, 0, request.base
         if gpus is not None:  # other devices than requested: what would fit
             self.base = replace(self.base, hardware=replace(self.base.hardware, gpus=gpus, gpu_mem=None))
+        self._resolved: dict[tuple[Rung, int], Resolved] = {}
+
+    def resolved(self, rung: Rung, micro_batch: int) -> Resolved:
+        """The rung resolved at this micro-batch. Everything but the batch is built and validated
+        once per rung: resolve's checks do not depend on the micro-batch, resolve_batch's do."""
+        key = (rung, micro_batch)
+        if key not in self._resolved:
+            if micro_batch == 1:
+                cfg = rung.config(self.base, 1, self.request.global_batch)
+                self._resolved[key] = resolve(cfg, self.request.spec)
+            else:
+                r = self.resolved(rung, 1)
+                cfg = replace(r.cfg, batch=replace(r.cfg.batch, micro_batch_size=micro_batch))
+                self._resolved[key] = replace(r, cfg=cfg, batch=resolve_batch(cfg.batch, r.dims.dp))
+        return self._resolved[key]
 
     def __call__(self, rung: Rung, micro_batch: int) -> Ledger:
         self.evaluated += 1
-        return plan(rung.config(self.base, micro_batch, self.request.global_batch), self.request.spec)
+        return plan_resolved(self.resolved(rung, micro_batch))
 
     def ledger(self, o: Outcome, micro_batch: int) -> Ledger:
         if micro_batch not in o.ledgers:
@@ -289,7 +306,7 @@ def _choose_micro(planner: _Planner, o: Outcome) -> None:
     for m in o.micro_options:
         if m > o.largest_micro:
             break
-        est = estimate(resolve(o.rung.config(planner.base, m, req.global_batch), req.spec), req.calibration)
+        est = estimate(planner.resolved(o.rung, m), req.calibration)
         if best is None or est.step_s is None or best[1].step_s is None or est.step_s <= best[1].step_s:
             best = (m, est)
     o.best_micro, o.estimate = best

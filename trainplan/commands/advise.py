@@ -104,7 +104,10 @@ def request_from_args(args: argparse.Namespace) -> Request:
         args.registry = str(default) if default.is_file() else None
     elif args.registry == "off":
         args.registry = None
-    calibration = calibration_from_records(records_from_registry(args.registry)) if args.registry else {}
+    calibration = {}
+    if args.registry:  # only the runs measured on the requested devices calibrate their estimate
+        names = {"cpu" if d.kind == "cpu" else d.name for d in r.devices}
+        calibration = calibration_from_records(records_from_registry(args.registry, names))
     req = Request(base=base, spec=spec, modes=modes, global_batch=g, calibration=calibration)
     if not layouts(spec, r.devices, g)[0]:
         raise ConfigError(

@@ -12,7 +12,7 @@ partition, and whenever gradient accumulation spans more than one micro-batch.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 
 from trainplan import config as C
 from trainplan.plan import lifecycle
@@ -90,7 +90,7 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
 
     acts = T.activations(ctx)
     explain["activations"] = acts.note
-    details = {"activations (one layer)": [(s.name, s.nbytes) for s in acts.per_layer]}
+    details = {"activations (one layer)": T.layer_saved_details(ctx)}
     loss = T.logits_loss(ctx, grads)
     if loss.note:
         explain["logits_loss"] = loss.note
@@ -141,6 +141,7 @@ def _label(device: DeviceSpec, rank: int) -> str:
     return f"cpu {rank}" if device.kind == "cpu" else f"GPU {rank}"
 
 
+@functools.lru_cache(maxsize=4096)
 def _role(dims: ParallelDims, rank: int) -> str:
     stage, dp_i, tp_i = dims.coords(rank)
     parts = []
@@ -281,9 +282,15 @@ def zero_model_state_bytes(*, params: int, dp: int, stage: int, k: int = 12, low
 
 
 def plan(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Ledger:
+    return plan_resolved(resolve(cfg, spec))
+
+
+def plan_resolved(r: Resolved) -> Ledger:
+    """The plan of a job already resolved (the advisor resolves a rung once, then varies its batch)."""
     from trainplan.plan import derived
 
-    r = derived.attach(resolve(cfg, spec))
+    r = derived.attach(r)
+    cfg = r.cfg
     cache: dict[tuple, DeviceLedger] = {}
     ledgers = []
     for rank, device in enumerate(r.devices):
@@ -294,11 +301,8 @@ def plan(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Ledger:
             key += (rank == 0,)  # saving: the main CPU rank keeps the gathered state dict
         if key not in cache:
             cache[key] = _rank_ledger(r, rank)
-        proto = cache[key]
         ledgers.append(
-            dataclasses.replace(
-                proto, label=_label(device, rank), device=device, role=_role(r.dims, rank), ranks=[rank]
-            )
+            cache[key].for_rank(label=_label(device, rank), device=device, role=_role(r.dims, rank), rank=rank)
         )
     host = _host_ledger(cfg, ledgers) if r.dims.offload_optimizer else None
     return Ledger(model=r.spec.summary(), settings=_settings(r), devices=ledgers, host=host, notes=_notes(r))

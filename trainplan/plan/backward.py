@@ -5,17 +5,14 @@
 from __future__ import annotations
 
 from trainplan.plan import activations as A
-from trainplan.plan.tensors import (
-    _sharded_numel,
-    _tp_numel,
-)
+from trainplan.plan.tensors import _tp_numel
 from trainplan.plan.terms import (
     ActTerm,
     AdapterTerm,
     CommTerm,
     GradTerm,
     RankContext,
-    _autocast_cast,
+    autocast_cast_numel,
     casts_kept_by_checkpointing,
     moe_backward,
 )
@@ -68,7 +65,7 @@ def _backward_end(
     # autocast's weight copies are released layer by layer as backward consumes them
     end_copies = start["weight_copies"]
     if ctx.autocast and ctx.full and not ctx.fsdp and ctx.layers:
-        end_copies = sum(_tp_numel(t, ctx.tp) for t in _autocast_cast(ctx) if t.layer == ctx.layers[0]) * ctx.cb
+        end_copies = autocast_cast_numel(ctx, "cast_in_layer", ctx.layers[0]) * ctx.cb
     end = {
         "weights": start["weights"],
         "weight_copies": end_copies,
@@ -107,9 +104,10 @@ def _embedding_backward(ctx: RankContext, end: dict[str, int], grads: GradTerm, 
     waits in autograd's input buffer for it and the two are summed into a third (measured on the
     trace: 3 vocab x hidden tensors at once). Where the vocabulary is large beside a layer
     (SmolLM2: 28M of 135M parameters), this moment is the backward peak."""
-    emb = next((t for t in ctx.trainable if t.role == "embedding"), None)
-    if emb is None or not (ctx.full and ctx.first) or ctx.fsdp or ctx.shard_g > 1:
+    emb = ctx.tensors.select("embedding")
+    if not emb or not (ctx.full and ctx.first) or ctx.fsdp or ctx.shard_g > 1:
         return None
+    emb = emb[0]
     formed = _tp_numel(emb, ctx.tp) * ctx.prec.grad_bytes
     tied = ctx.spec.tie_word_embeddings
     moment = dict(end)
@@ -126,14 +124,9 @@ def _top_layer_mlp_backward(
     # Without the logits buffers, the top layer's MLP backward can be the peak: every layer's
     # saved tensors, the MLP's intermediate gradients, and the gradients formed so far (head,
     # final norm, the top layer's down projection).
-    top, cb, tokens, inter = ctx.layers[-1], ctx.cb, ctx.tokens, ctx.inter
-    formed = [
-        t
-        for t in ctx.trainable
-        if (t.layer is None and t.role == "norm")
-        or (t.layer == top and ".mlp." in t.name and t.module in ("down_proj", "c_proj"))
-    ]
-    formed_bytes = sum(_sharded_numel(t, ctx.tp, ctx.shard_g) for t in formed) * ctx.prec.grad_bytes
+    cb, tokens, inter = ctx.cb, ctx.tokens, ctx.inter
+    formed = ctx.tensors.numel("top_down", ctx.tp, ctx.shard_g) if ctx.full else 0  # final norm, top down_proj
+    formed_bytes = formed * ctx.prec.grad_bytes
     top_down_in = tokens * inter * cb if ctx.full else 0
     top_layer = dict(end)
     top_layer["gradients"] = grads.live_fwd if ctx.persistent_grads and ctx.full else grads.head + formed_bytes
@@ -142,7 +135,7 @@ def _top_layer_mlp_backward(
     top_layer["comm_buffers"] = start["comm_buffers"]  # no unit has finished its backward yet
     if ctx.fsdp and ctx.full:  # gradients stay unsharded, in the compute dtype, until their unit's reduce-scatter
         top_layer["gradients"] = 0
-        top_layer["comm_buffers"] += (ctx.head.numel + sum(t.numel for t in formed)) * cb
+        top_layer["comm_buffers"] += (ctx.head.numel + ctx.tensors.numel("top_down", 1)) * cb  # unsharded
     if ctx.dims.reshard_after_forward and len(ctx.layers) > 1:
         top_layer["weight_copies"] = start["weight_copies"] + ctx.unit_numel * cb  # the next unit, prefetched
     top_layer["activations"] = (

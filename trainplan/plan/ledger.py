@@ -62,6 +62,13 @@ class DeviceLedger:
     error_band: float = 0.0
     error_band_source: str = ""
 
+    def for_rank(self, *, label: str, device: DeviceSpec, role: str, rank: int) -> DeviceLedger:
+        """This bill on another rank of the same kind: the ranks share the bill's dicts."""
+        other = object.__new__(DeviceLedger)
+        other.__dict__.update(self.__dict__)
+        other.label, other.device, other.role, other.ranks = label, device, role, [rank]
+        return other
+
     def phase_total(self, phase: str) -> int:
         return sum(self.phases[phase].values())
 
@@ -71,11 +78,14 @@ class DeviceLedger:
 
     @property
     def peak_allocated(self) -> int:
-        return self.phase_total(self.peak_phase)
+        return max(self.phase_total(p) for p in self.phases)
 
     @property
     def reserve_bytes(self) -> int:
-        return int(self.reserve_fraction * self.peak_allocated)
+        return self._reserve(self.peak_allocated)
+
+    def _reserve(self, peak: int) -> int:
+        return int(self.reserve_fraction * peak)
 
     @property
     def components(self) -> dict[str, int]:
@@ -87,7 +97,10 @@ class DeviceLedger:
 
     @property
     def total_bytes(self) -> int:
-        return self.peak_allocated + self.runtime_bytes + self.reserve_bytes
+        return self._total(self.peak_allocated)
+
+    def _total(self, peak: int) -> int:
+        return peak + self.runtime_bytes + self._reserve(peak)
 
     @property
     def usable_bytes(self) -> int:
@@ -95,11 +108,15 @@ class DeviceLedger:
 
     @property
     def error_margin_bytes(self) -> int:
-        return math.ceil(self.error_band * self.peak_allocated)
+        return self._error_margin(self.peak_allocated)
+
+    def _error_margin(self, peak: int) -> int:
+        return math.ceil(self.error_band * peak)
 
     @property
     def headroom_bytes(self) -> int:
-        return self.usable_bytes - self.total_bytes - self.error_margin_bytes
+        peak = self.peak_allocated  # summed once: the advisor asks for this thousands of times
+        return self.usable_bytes - self._total(peak) - self._error_margin(peak)
 
     @property
     def fits(self) -> bool:

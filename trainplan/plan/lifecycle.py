@@ -22,17 +22,13 @@ maximum over the whole run and names the phase where it peaks. Imports no torch.
 from __future__ import annotations
 
 from trainplan.plan import terms as T
-from trainplan.plan.tensors import NF4_BYTES, NF4_CONSTANTS_BYTES, _numel, _tp_numel
+from trainplan.plan.tensors import NF4_BYTES, NF4_CONSTANTS_BYTES
 
 # DTensor.full_tensor() while get_model_state_dict gathers one tensor: the all-gather's output, the
 # functional collective's copy and the unpadded result: 3 full-size buffers at once (measured with
 # the storage tracker on 2 gloo ranks; NCCL not yet measured). The main rank's host copy is a 4th.
 GATHER_COPIES = 3
 SHARD_BYTES = 5 * 10**9  # run/result.py's max_shard_size: the largest piece safetensors serializes at once
-
-
-def _largest(ctx: T.RankContext, tensors) -> int:
-    return max((_tp_numel(t, ctx.tp) for t in tensors), default=0)
 
 
 def _held_bytes(ctx: T.RankContext) -> int:
@@ -43,19 +39,19 @@ def load(ctx: T.RankContext, weights: T.Term, adapter: T.AdapterTerm, buffers: i
     """The load phase: the model as stored, the adapters, and the tensor in flight."""
     prec = ctx.prec
     if ctx.quantized and ctx.cpu:
-        numel = sum(_tp_numel(t, ctx.tp) for t in ctx.quantized)
+        numel = ctx.tensors.numel("quantizable", ctx.tp)
         in_flight = int(numel * (prec.frozen_bytes - NF4_BYTES - NF4_CONSTANTS_BYTES))
         note = "every 16-bit linear is on the CPU before packing begins, in place of its NF4 form"
     elif ctx.quantized:
-        in_flight = _largest(ctx, ctx.quantized) * prec.frozen_bytes
+        in_flight = ctx.tensors.largest("quantizable", ctx.tp) * prec.frozen_bytes
         note = f"the largest linear in {ctx.dtype(prec.frozen_bytes)} on the device while it is packed to NF4"
     elif ctx.fsdp and ctx.cfg.model.init != "random":
         nbytes = _held_bytes(ctx)
-        full = _largest(ctx, ctx.held)
+        full = ctx.tensors.largest("held", ctx.tp)
         in_flight = (full + -(-full // ctx.shard_w)) * nbytes
         note = "the largest tensor in full on the device, and its shard, while distribute_tensor scatters it"
-    elif ctx.fsdp and ctx.r.spec.tie_word_embeddings and any(t.role == "embedding" for t in ctx.held):
-        embedding = _largest(ctx, [t for t in ctx.held if t.role == "embedding"])
+    elif ctx.fsdp and ctx.r.spec.tie_word_embeddings and ctx.tensors.select("embedding"):
+        embedding = ctx.tensors.largest("embedding", ctx.tp)
         in_flight = -(-embedding // ctx.shard_w) * _held_bytes(ctx)
         note = "a second shard of the tied embedding: FSDP2 allocates it for both modules before they are re-tied"
     else:
@@ -135,14 +131,12 @@ def save(
     gathered, note = 0, "written as it is (from a GPU, copied to the host a tensor at a time)"
     if ctx.fsdp:
         if ctx.full:
-            saved = [_tp_numel(t, ctx.tp) for t in ctx.held]
-            nbytes = prec.param_bytes
+            saved, largest, nbytes = ctx.n_held, ctx.tensors.largest("held", ctx.tp), prec.param_bytes
         else:
-            saved = _lora_numels(ctx)
-            nbytes = 4
-        largest = max(saved, default=0) * nbytes
+            saved, largest, nbytes = T.lora_numel(ctx), T.lora_numel(ctx, largest=True), 4
+        largest *= nbytes
         if ctx.cpu and ctx.rank == 0:
-            gathered = sum(saved) * nbytes + GATHER_COPIES * largest
+            gathered = saved * nbytes + GATHER_COPIES * largest
             note = (
                 "rank 0 gathers every tensor in full and keeps them, on the host, for the file it writes; "
                 f"the tensor being gathered is held {GATHER_COPIES + 1} times over meanwhile"
@@ -161,7 +155,3 @@ def save(
         "buffers": buffers,
     }
     return phase, note
-
-
-def _lora_numels(ctx: T.RankContext) -> list[int]:
-    return [_numel(shape) for shape in ctx.lora_shapes]

@@ -38,6 +38,100 @@ def _held(spec: ModelSpec, dims: ParallelDims, stage: int) -> list[ParamTensor]:
     return held
 
 
+def _cast(t: ParamTensor, stage: StageTensors, fused_loss: bool, last: bool) -> bool:
+    """Whether autocast casts this trainable tensor. Only matmul weights: embedding lookups and norm
+    multiplies run in fp32, experts' grouped matmuls are outside autocast, and the fused loss casts
+    the head per call."""
+    return (
+        t.role in ("linear", "bias", "router")
+        or (t.role == "lm_head" and not fused_loss)
+        or (t.role == "embedding" and stage.spec.tie_word_embeddings and last and not fused_loss)
+    )
+
+
+# The subsets of a stage's tensors that sums run over: name -> predicate(t, stage, *arguments).
+_SUBSETS = {
+    "held": lambda t, stage: True,
+    "root": lambda t, stage: t.layer is None,  # FSDP's root unit: embedding, final norm, head
+    "quantizable": lambda t, stage: t.role in ("linear", "expert"),  # QLoRA's NF4 weights
+    "unquantized": lambda t, stage: t.role not in ("linear", "expert"),
+    "embedding": lambda t, stage: t.role == "embedding",
+    "lm_head": lambda t, stage: t.role == "lm_head",
+    # the first layer's tensors and an untied embedding: their gradients are formed last
+    "first_layer": lambda t, stage: (
+        (bool(stage.layers) and t.layer == stage.layers[0])
+        or (t.role == "embedding" and not stage.spec.tie_word_embeddings)
+    ),
+    # the final norm and the top layer's MLP down projection: their gradients are formed first
+    "top_down": lambda t, stage: (
+        (t.layer is None and t.role == "norm")
+        or (
+            bool(stage.layers)
+            and t.layer == stage.layers[-1]
+            and ".mlp." in t.name
+            and t.module in ("down_proj", "c_proj")
+        )
+    ),
+    "cast": _cast,  # (fused_loss, last)
+    # the casts outside the checkpointed layers, and those of `layer` (fused_loss, last, layer)
+    "cast_kept": lambda t, stage, fused, last, layer: _cast(t, stage, fused, last) and t.layer in (None, layer),
+    "cast_in_layer": lambda t, stage, fused, last, layer: _cast(t, stage, fused, last) and t.layer == layer,
+}
+
+
+class StageTensors:
+    """The parameter tensors one pipeline stage holds, with sums over them memoized by subset,
+    tensor-parallel degree and shard count. One plan asks for a dozen such sums per rank, and the
+    advisor plans the same stage under a thousand settings: each sum walks the tensors once per
+    model. Kept in the (frozen) spec's memo by `stage_tensors`."""
+
+    def __init__(self, spec: ModelSpec, dims: ParallelDims, stage: int):
+        self.spec = spec
+        self.layers = dims.stage_layers(stage, spec.num_layers)
+        self.held = tuple(_held(spec, dims, stage))
+        self._memo: dict[tuple, object] = {}
+
+    def memo(self, key: tuple, compute):
+        """compute(), once per key."""
+        try:
+            return self._memo[key]
+        except KeyError:
+            value = self._memo[key] = compute()
+            return value
+
+    def select(self, which: str | tuple) -> tuple[ParamTensor, ...]:
+        """The subset `which`: a name in _SUBSETS, or (name, *arguments)."""
+        name, *args = (which,) if isinstance(which, str) else which
+        keep = _SUBSETS[name]
+        return self.memo(("select", which), lambda: tuple(t for t in self.held if keep(t, self, *args)))
+
+    def numel(self, which: str | tuple, tp: int, shard: int = 1) -> int:
+        """Elements of the subset on one rank: tensor-parallel shards, then FSDP's `shard` ways."""
+        return self.memo(
+            ("numel", which, tp, shard), lambda: sum(_sharded_numel(t, tp, shard) for t in self.select(which))
+        )
+
+    def largest(self, which: str | tuple, tp: int) -> int:
+        """The largest tensor of the subset on one tensor-parallel rank, in elements."""
+        return self.memo(("largest", which, tp), lambda: max((_tp_numel(t, tp) for t in self.select(which)), default=0))
+
+    def shapes(self, tp: int) -> tuple[tuple[int, ...], ...]:
+        """Every held tensor's shape on one tensor-parallel rank."""
+        return self.memo(("shapes", tp), lambda: tuple(_shape_tp(t, tp) for t in self.held))
+
+    def lora_shapes(self, r: int, targets: frozenset[str], tp: int) -> tuple[tuple[int, ...], ...]:
+        """The stage's LoRA adapter tensors, tensor-parallel shards."""
+        return self.memo(("lora", r, targets, tp), lambda: tuple(_lora_shapes(self.spec, r, targets, self.layers, tp)))
+
+
+def stage_tensors(spec: ModelSpec, dims: ParallelDims, stage: int) -> StageTensors:
+    """The stage's tensors, computed once per spec, pipeline degree and stage."""
+    key = ("stage", dims.pp, stage)
+    if key not in spec.memo:
+        spec.memo[key] = StageTensors(spec, dims, stage)
+    return spec.memo[key]
+
+
 def _tp_numel(t: ParamTensor, tp: int) -> int:
     if tp == 1 or t.role in ("norm", "router"):
         return t.numel

@@ -18,14 +18,13 @@ from trainplan.plan.tensors import (
     NF4_BYTES,
     NF4_CONSTANTS_BYTES,
     ZERO2_BUCKET_BYTES,
-    _held,
-    _lora_shapes,
+    StageTensors,
     _numel,
-    _shape_tp,
     _sharded_numel,
     _tp_numel,
     optimizer_state_bytes,
     optimizer_temp_bytes,
+    stage_tensors,
     zero1_partition,
 )
 from trainplan.resolve import Resolved
@@ -49,16 +48,18 @@ class RankContext:
     first: bool  # the stage holds the embedding
     last: bool  # the stage holds the head and computes the loss
     layers: range  # decoder layers of the stage
-    held: list[ParamTensor]  # parameter tensors of the stage
+    tensors: StageTensors  # the stage's tensors and memoized sums over them
+    held: tuple[ParamTensor, ...]  # parameter tensors of the stage
     n_held: int  # their elements on this tensor-parallel rank
-    trainable: list[ParamTensor]  # every held tensor under full fine-tuning, none otherwise
-    quantized: list[ParamTensor]  # QLoRA's NF4 linear and expert weights
+    trainable: tuple[ParamTensor, ...]  # every held tensor under full fine-tuning, none otherwise
+    quantized: tuple[ParamTensor, ...]  # QLoRA's NF4 linear and expert weights
     head: ParamTensor | None  # the trainable lm_head (or the embedding tied to it): its gradient comes first
     full: bool  # full fine-tuning
     lora: bool  # LoRA or QLoRA adapters
     lora_targets: frozenset[str]
-    lora_shapes: list[tuple[int, ...]]  # the stage's adapter tensors, tensor-parallel shards
-    opt_shapes: list[tuple[int, ...]]  # trainable shapes whose optimizer states this rank holds
+    lora_shapes: tuple[tuple[int, ...], ...]  # the stage's adapter tensors, tensor-parallel shards
+    opt_shapes: tuple[tuple[int, ...], ...]  # trainable shapes whose optimizer states this rank holds
+    opt_key: tuple  # what opt_shapes depends on: the key of sums over them in `tensors`
     fsdp: bool  # the strategy shards parameters (FSDP2)
     zero1: bool  # the engine's ZeroRedundancyOptimizer partition
     shard_w: int  # how many ways weights, gradients and optimizer states are split evenly
@@ -74,6 +75,7 @@ class RankContext:
     fused: bool  # the fused (chunked) loss runs on this stage
     in_flight: int  # micro-batches whose activations a pipeline stage holds at once
     act: A.ActContext
+    saved: dict[bool, tuple]  # `_saved`: one layer's saved tensors, its input requiring grad or not
 
     @property
     def spec(self) -> ModelSpec:
@@ -112,16 +114,15 @@ class RankContext:
         return {4: "fp32", 2: self.prec.compute_dtype}[nbytes]
 
 
-def _fsdp_units(held: list[ParamTensor], layers: range, tp: int) -> tuple[int, int]:
+def _fsdp_units(stage: StageTensors, tp: int) -> tuple[int, int]:
     """FSDP units' elements per tensor-parallel rank: the root unit (embedding, final norm, head)
     and the largest decoder layer."""
     per_layer_numel: dict[int, int] = {}  # one pass over the tensors, not one per layer
-    for t in held:
+    for t in stage.held:
         if t.layer is not None:
             per_layer_numel[t.layer] = per_layer_numel.get(t.layer, 0) + _tp_numel(t, tp)
-    unit = max((per_layer_numel.get(i, 0) for i in layers), default=0)
-    root = sum(_tp_numel(t, tp) for t in held if t.layer is None)
-    return root, unit
+    unit = max((per_layer_numel.get(i, 0) for i in stage.layers), default=0)
+    return stage.numel("root", tp), unit
 
 
 def rank_context(r: Resolved, rank: int) -> RankContext:
@@ -130,8 +131,8 @@ def rank_context(r: Resolved, rank: int) -> RankContext:
     device = r.devices[rank]
     stage, dp_i, _ = dims.coords(rank)
     first, last = stage == 0, stage == dims.pp - 1
-    layers = dims.stage_layers(stage, spec.num_layers)
-    held = _held(spec, dims, stage)
+    tensors = stage_tensors(spec, dims, stage)
+    layers, held = tensors.layers, tensors.held
     tp, dp = dims.tp, dims.dp
     full = cfg.mode == "full"
     lora = cfg.mode in ("lora", "qlora")
@@ -145,14 +146,20 @@ def rank_context(r: Resolved, rank: int) -> RankContext:
     # the compute dtype, so LoRA's residual stream is 16-bit.
     autocast = prec.autocast and not fsdp
     residual = 4 if (autocast and full) else cb
-    trainable = held if full else []
+    trainable = held if full else ()
     targets = frozenset(cfg.lora.target_modules) if lora else frozenset()
-    lora_shapes = _lora_shapes(spec, cfg.lora.r, targets, layers, tp) if lora else []
-    mine = [_shape_tp(t, tp) for t in trainable] if full else lora_shapes
-    root, unit = _fsdp_units(held, layers, tp) if fsdp else (0, 0)
-    head = next((t for t in trainable if t.role == "lm_head"), None) or (
-        next((t for t in trainable if t.role == "embedding"), None) if spec.tie_word_embeddings else None
-    )
+    lora_shapes = tensors.lora_shapes(cfg.lora.r, targets, tp) if lora else ()
+    mine = tensors.shapes(tp) if full else lora_shapes
+    opt_key = ("full", tp) if full else ("lora", cfg.lora.r, targets, tp)
+    if zero1:
+        opt_key += (dp, dp_i)
+        opt_shapes = tensors.memo(("zero1", opt_key), lambda: tuple(zero1_partition(list(mine), dp)[dp_i]))
+    else:
+        opt_shapes = mine
+    root, unit = tensors.memo(("fsdp_units", tp), lambda: _fsdp_units(tensors, tp)) if fsdp else (0, 0)
+    heads = tensors.select("lm_head") or (tensors.select("embedding") if spec.tie_word_embeddings else ())
+    head = heads[0] if full and heads else None
+    act = _act_context(r, full=full, fsdp=fsdp, autocast=autocast, residual=residual, targets=targets, cpu=cpu)
     return RankContext(
         r=r,
         rank=rank,
@@ -162,16 +169,18 @@ def rank_context(r: Resolved, rank: int) -> RankContext:
         first=first,
         last=last,
         layers=layers,
+        tensors=tensors,
         held=held,
-        n_held=sum(_tp_numel(t, tp) for t in held),
+        n_held=tensors.numel("held", tp),
         trainable=trainable,
-        quantized=[t for t in held if t.role in ("linear", "expert")] if cfg.mode == "qlora" else [],
+        quantized=tensors.select("quantizable") if cfg.mode == "qlora" else (),
         head=head,
         full=full,
         lora=lora,
         lora_targets=targets,
         lora_shapes=lora_shapes,
-        opt_shapes=zero1_partition(mine, dp)[dp_i] if zero1 else mine,
+        opt_shapes=opt_shapes,
+        opt_key=opt_key,
         fsdp=fsdp,
         zero1=zero1,
         shard_w=dp if fsdp else 1,
@@ -187,7 +196,8 @@ def rank_context(r: Resolved, rank: int) -> RankContext:
         persistent_grads=dims.keeps_grads_between_steps or batch.grad_accum_steps > 1,
         fused=r.fused_loss and last,
         in_flight=min(dims.pp - stage, batch.grad_accum_steps) if dims.pp > 1 else 1,
-        act=_act_context(r, full=full, fsdp=fsdp, autocast=autocast, residual=residual, targets=targets, cpu=cpu),
+        act=act,
+        saved=_saved(spec, act),
     )
 
 
@@ -229,12 +239,11 @@ class Term(NamedTuple):
 def weights(ctx: RankContext) -> Term:
     """Parameters as stored: trainable ones in the param dtype, a frozen base in its storage dtype,
     QLoRA's linear layers in NF4 with their quantization constants."""
-    prec, tp, shard_w = ctx.prec, ctx.tp, ctx.shard_w
-    w_train = sum(_sharded_numel(t, tp, shard_w) for t in ctx.trainable) * prec.param_bytes
-    w_quant = int(sum(_sharded_numel(t, tp, shard_w) for t in ctx.quantized) * (NF4_BYTES + NF4_CONSTANTS_BYTES))
-    frozen = [] if ctx.full else ctx.held
-    not_quantized = [t for t in frozen if t.role not in ("linear", "expert")] if ctx.quantized else frozen
-    w_frozen = sum(_sharded_numel(t, tp, shard_w) for t in not_quantized) * prec.frozen_bytes
+    prec, tp, shard_w, stage = ctx.prec, ctx.tp, ctx.shard_w, ctx.tensors
+    w_train = stage.numel("held", tp, shard_w) * prec.param_bytes if ctx.full else 0
+    w_quant = int(stage.numel("quantizable", tp, shard_w) * (NF4_BYTES + NF4_CONSTANTS_BYTES)) if ctx.quantized else 0
+    not_quantized = "unquantized" if ctx.quantized else "held"
+    w_frozen = 0 if ctx.full else stage.numel(not_quantized, tp, shard_w) * prec.frozen_bytes
     if ctx.full:
         note = (
             f"{ctx.n_held / 1e6:,.1f}M params x {prec.param_bytes} B "
@@ -250,16 +259,14 @@ def weights(ctx: RankContext) -> Term:
     return Term(w_train + w_frozen + w_quant, note)
 
 
-def _autocast_cast(ctx: RankContext) -> list[ParamTensor]:
-    """The trainable tensors autocast casts. Only matmul weights are: embedding lookups and norm
-    multiplies run in fp32."""
-    return [
-        t
-        for t in ctx.trainable
-        if t.role in ("linear", "bias", "router")  # experts: grouped matmuls, outside autocast
-        or (t.role == "lm_head" and not ctx.r.fused_loss)  # the fused loss casts the head per call
-        or (t.role == "embedding" and ctx.spec.tie_word_embeddings and ctx.last and not ctx.r.fused_loss)
-    ]
+def autocast_cast_numel(ctx: RankContext, subset: str = "cast", layer: int | None = None) -> int:
+    """Elements of the trainable tensors autocast casts (tensors.py `_cast`: matmul weights only),
+    per tensor-parallel rank: every one ("cast"), those outside the checkpointed layers plus
+    `layer`'s ("cast_kept"), or `layer`'s alone ("cast_in_layer")."""
+    if not ctx.full:
+        return 0
+    args = (ctx.r.fused_loss, ctx.last) + ((layer,) if subset != "cast" else ())
+    return ctx.tensors.numel((subset, *args), ctx.tp)
 
 
 def casts_kept_by_checkpointing(ctx: RankContext, layer: int | None = None) -> int:
@@ -267,8 +274,7 @@ def casts_kept_by_checkpointing(ctx: RankContext, layer: int | None = None) -> i
     loss) leaves autocast, and a checkpointed layer saved no cast for backward, so only the casts
     of ops outside the checkpoints (the head's) live into backward, plus `layer`'s while it is
     recomputed."""
-    kept = [t for t in _autocast_cast(ctx) if t.layer is None or t.layer == layer]
-    return sum(_tp_numel(t, ctx.tp) for t in kept) * ctx.cb
+    return autocast_cast_numel(ctx, "cast_kept", layer) * ctx.cb
 
 
 def weight_copies(ctx: RankContext) -> Term:
@@ -290,11 +296,11 @@ def weight_copies(ctx: RankContext) -> Term:
         )
     if ctx.autocast and ctx.full:
         return Term(
-            sum(_tp_numel(t, ctx.tp) for t in _autocast_cast(ctx)) * cb,
+            autocast_cast_numel(ctx) * cb,
             f"autocast caches a {dtype} copy of every trainable matmul weight from forward until backward ends",
         )
     if ctx.quantized:
-        big = max(_tp_numel(t, ctx.tp) for t in ctx.quantized)
+        big = ctx.tensors.largest("quantizable", ctx.tp)
         return Term(big * cb, f"the largest NF4 weight dequantized to {dtype} during its matmul")
     return Term(0)
 
@@ -314,9 +320,25 @@ class AdapterTerm(NamedTuple):
         return self.weights + self.states + self.copy
 
 
+def lora_numel(ctx: RankContext, *, largest: bool = False) -> int:
+    """The stage's adapter elements on this tensor-parallel rank, or its largest adapter tensor's."""
+
+    def compute() -> int:
+        numels = [_numel(s) for s in ctx.lora_shapes]
+        return max(numels, default=0) if largest else sum(numels)
+
+    return ctx.tensors.memo(("lora numel", ctx.cfg.lora.r, ctx.lora_targets, ctx.tp, largest), compute)
+
+
 def adapter(ctx: RankContext) -> AdapterTerm:
-    n_adapter = sum(_numel(s) for s in ctx.lora_shapes)
-    states = optimizer_state_bytes(ctx.cfg.optim.name, ctx.opt_shapes, 4, ctx.cpu) // ctx.shard_o if ctx.lora else 0
+    n_adapter = lora_numel(ctx)
+    name = ctx.cfg.optim.name
+    states = 0
+    if ctx.lora:
+        states = _opt_bytes(
+            ctx, ("states", name, 4, ctx.cpu), lambda: optimizer_state_bytes(name, list(ctx.opt_shapes), 4, ctx.cpu)
+        )
+        states //= ctx.shard_o
     note = None
     if ctx.lora:
         note = (
@@ -342,15 +364,12 @@ class GradTerm(NamedTuple):
 
 def gradients(ctx: RankContext) -> GradTerm:
     tp, shard_g, grad_bytes = ctx.tp, ctx.shard_g, ctx.prec.grad_bytes
-    grads = sum(_sharded_numel(t, tp, shard_g) for t in ctx.trainable) * grad_bytes
+    grads = ctx.tensors.numel("held", tp, shard_g) * grad_bytes if ctx.full else 0
     head = (_sharded_numel(ctx.head, tp, shard_g) * grad_bytes) if (ctx.head and ctx.last) else 0
     first_layer = 0
     if ctx.full and ctx.layers:
         # the embedding's gradient comes last, unless it is tied to lm_head, whose comes first
-        in_first = [t for t in ctx.trainable if t.layer == ctx.layers[0]] + [
-            t for t in ctx.trainable if t.role == "embedding" and not ctx.spec.tie_word_embeddings
-        ]
-        first_layer = sum(_sharded_numel(t, tp, shard_g) for t in in_first) * grad_bytes
+        first_layer = ctx.tensors.numel("first_layer", tp, shard_g) * grad_bytes
     note = None
     if ctx.full:
         note = f"{grad_bytes} B per trainable param" + (f" / {shard_g} shards" if shard_g > 1 else "")
@@ -379,11 +398,22 @@ def optimizer(ctx: RankContext) -> OptTerm:
     the step's temporaries (the adapters' under LoRA)."""
     name, prec, shard_o = ctx.cfg.optim.name, ctx.prec, ctx.shard_o
     shapes = ctx.opt_shapes
-    states = optimizer_state_bytes(name, shapes, prec.state_bytes, ctx.cpu) // shard_o if ctx.full else 0
+    states = 0
+    if ctx.full:
+        states = _opt_bytes(
+            ctx,
+            ("states", name, prec.state_bytes, ctx.cpu),
+            lambda: optimizer_state_bytes(name, list(shapes), prec.state_bytes, ctx.cpu),
+        )
+        states //= shard_o
     impl = ctx.cfg.optim.implementation
     if impl == "auto":
         impl = "for-loop" if ctx.cpu else "foreach"
-    temp = optimizer_temp_bytes(name, impl, shapes, prec.state_bytes if ctx.full else 4) // shard_o
+    state_bytes = prec.state_bytes if ctx.full else 4
+    temp = _opt_bytes(
+        ctx, ("temp", name, impl, state_bytes), lambda: optimizer_temp_bytes(name, impl, list(shapes), state_bytes)
+    )
+    temp //= shard_o
     note = None
     if ctx.full:
         note = f"{name} states in {ctx.dtype(prec.state_bytes)}" + (f" / {shard_o} shards" if shard_o > 1 else "")
@@ -394,6 +424,11 @@ def optimizer(ctx: RankContext) -> OptTerm:
                 f"rank {ctx.dp_i}: largest first, to the least-loaded rank"
             )
     return OptTerm(states=states, temp=temp, note=note, temp_note=f"{impl} {name} step temporaries")
+
+
+def _opt_bytes(ctx: RankContext, key: tuple, compute) -> int:
+    """compute() over the rank's optimizer shapes, once per shape set and `key` (what else it reads)."""
+    return ctx.tensors.memo(("optimizer", ctx.opt_key, *key), compute)
 
 
 class CommTerm(NamedTuple):
@@ -429,11 +464,38 @@ def runtime(ctx: RankContext) -> int:
     return (hw.cpu_runtime_mib if ctx.cpu else hw.cuda_context_mib + hw.cublas_workspace_mib) * MiB
 
 
+def _layer_saved(ctx: RankContext, *, input_requires_grad: bool = True) -> tuple[A.SavedTensor, ...]:
+    """One layer's saved tensors (activations.py)."""
+    return ctx.saved[input_requires_grad][0]
+
+
+def _layer_saved_bytes(ctx: RankContext, *, input_requires_grad: bool = True) -> int:
+    return ctx.saved[input_requires_grad][1]
+
+
+def layer_saved_details(ctx: RankContext) -> tuple[tuple[str, int], ...]:
+    """(name, bytes) of each tensor one layer saves, for the ledger's details."""
+    return ctx.saved[True][2]
+
+
+def _saved(spec: ModelSpec, act: A.ActContext) -> dict[bool, tuple]:
+    """One layer's saved tensors, their bytes and (name, bytes) pairs, with its input requiring a
+    gradient (True) or not (False): once per model and activation context."""
+    key = ("layer_saved", act)
+    if key not in spec.memo:
+        out = {}
+        for input_requires_grad in (True, False):
+            saved = tuple(A.layer_saved(spec, act, input_requires_grad=input_requires_grad))
+            out[input_requires_grad] = saved, A.total(saved), tuple((s.name, s.nbytes) for s in saved)
+        spec.memo[key] = out
+    return spec.memo[key]
+
+
 class ActTerm(NamedTuple):
     fwd: int  # saved for backward, at the end of forward
     bwd: int  # at the start of backward
     first_layer_bwd: int  # the first layer's backward, at the end of backward
-    per_layer: list[A.SavedTensor]  # one layer's saved tensors
+    per_layer: tuple[A.SavedTensor, ...]  # one layer's saved tensors
     saved_layers: int  # every layer's of one micro-batch
     head_saved: list[A.SavedTensor]
     layer_in: int  # one layer's input (the residual stream)
@@ -444,10 +506,10 @@ class ActTerm(NamedTuple):
 def activations(ctx: RankContext) -> ActTerm:
     spec, act, batch, in_flight = ctx.spec, ctx.act, ctx.batch, ctx.in_flight
     n_layers = len(ctx.layers)
-    per_layer = A.layer_saved(spec, act)
-    saved_layers = n_layers * A.total(per_layer)
+    per_layer, per_layer_bytes = _layer_saved(ctx), _layer_saved_bytes(ctx)
+    saved_layers = n_layers * per_layer_bytes
     if ctx.first and not ctx.full:  # the frozen embedding's output needs no grad: layer 0's first norm saves nothing
-        saved_layers += A.total(A.layer_saved(spec, act, input_requires_grad=False)) - A.total(per_layer)
+        saved_layers += _layer_saved_bytes(ctx, input_requires_grad=False) - per_layer_bytes
     head_saved = A.head_saved(spec, act, lm_head_trainable=ctx.full and not ctx.fused) if ctx.last else []
     layer_in = ctx.tokens * spec.hidden_size * ctx.residual
     if ctx.cfg.memory.activation_checkpointing:
@@ -456,14 +518,14 @@ def activations(ctx: RankContext) -> ActTerm:
         note = (
             f"checkpointing keeps each layer's input ({gib(layer_in)}) x {n_layers} "
             f"layers x {in_flight} micro-batch(es) in flight, plus one layer recomputed in "
-            f"backward ({gib(A.total(per_layer))})"
+            f"backward ({gib(per_layer_bytes)})"
         )
     else:
         fwd = in_flight * (saved_layers + A.total(head_saved))
         bwd = fwd
         top = max(per_layer, key=lambda s: s.nbytes)
         note = (
-            f"{n_layers} layers x {gib(A.total(per_layer))} saved per layer "
+            f"{n_layers} layers x {gib(per_layer_bytes)} saved per layer "
             f"(micro-batch {batch.micro_batch_size}, seq {batch.seq_len}) x {in_flight} micro-batch(es) "
             f"in flight; largest saved tensor {top.name} {gib(top.nbytes)}"
         )
@@ -514,7 +576,7 @@ def _first_layer_backward(ctx: RankContext, layer_in: int) -> int:
     # Backward through the first layer: its saved tensors (recomputed under checkpointing) plus the
     # gradients of the MLP's intermediates (d product, d act, d up, d gate), in the compute dtype.
     tokens, inter, cb = ctx.tokens, ctx.inter, ctx.cb
-    saved = A.total(A.layer_saved(ctx.spec, ctx.act, input_requires_grad=ctx.full))
+    saved = _layer_saved_bytes(ctx, input_requires_grad=ctx.full)
     if ctx.spec.num_experts:  # the MoE block's widest moment
         released, temps, formed = moe_backward(ctx)
         mlp_bwd = temps + formed - released

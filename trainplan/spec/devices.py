@@ -10,6 +10,7 @@ Fabric total over 2; PCIe x16 where the card has no GPU-to-GPU link), from the s
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -219,6 +220,17 @@ MAX_DEVICE_COUNT = 65536  # a bound on one job's devices: larger counts are typo
 
 def parse_devices(text: str, gpu_mem: str | None = None, field: str = "hardware.gpus") -> list[DeviceSpec]:
     """'8xH100-80GB', 'A100-80GB,RTX4090', '2x24GiB', 'cpu', '4xcpu' or 'auto' -> one spec per rank."""
+    if isinstance(text, str) and text.strip().lower() != "auto" and (gpu_mem is None or isinstance(gpu_mem, str)):
+        return list(_parse_named(text, gpu_mem, field))  # the advisor parses the same text a thousand times
+    return _parse(text, gpu_mem, field)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_named(text: str, gpu_mem: str | None, field: str) -> tuple[DeviceSpec, ...]:
+    return tuple(_parse(text, gpu_mem, field))
+
+
+def _parse(text: str, gpu_mem: str | None, field: str) -> list[DeviceSpec]:
     if not text or not str(text).strip():
         raise ConfigError(field, "is empty", "name devices like 8xH100-80GB, A100-80GB,RTX4090 or cpu")
     devices: list[DeviceSpec] = []

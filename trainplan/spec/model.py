@@ -248,6 +248,12 @@ class ModelSpec:
     def num_params(self) -> int:
         return sum(t.numel for t in self.tensors)
 
+    @functools.cached_property
+    def memo(self) -> dict:
+        """Scratch space for what a planner derives from this spec alone (it is frozen, so that
+        stays valid): plan/tensors.py keeps each pipeline stage's tensor sums here."""
+        return {}
+
     @property
     def active_params_per_token(self) -> int:
         """Parameters a token passes through (MoE: only experts_per_token experts)."""
