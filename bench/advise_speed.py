@@ -1,6 +1,7 @@
 """How fast is `trainplan advise`: candidate configurations planned per second.
 
 Run: .venv/bin/python bench/advise_speed.py [--write-doc]   (--write-doc rewrites the table in docs/advise.md)
+     .venv/bin/python bench/advise_speed.py --against d8f10df   (side by side with the search before issue 22)
 
 Target (issue 22): the 70B search on 8 x A100 (>= 1,000 candidates) under 1.0 s median in-process
 and under 1.5 s CLI wall, on the 2-core dev machine; every case under 1.0 s. Every candidate is a
@@ -45,18 +46,6 @@ def argvs() -> list[list[str]]:
     return [argv(c) for c in CASES]
 
 
-def run_case(case: tuple) -> tuple[int, int, int]:
-    """(rungs, candidates planned, rungs that fit) of one search, as `advise` runs it."""
-    from trainplan import cli
-    from trainplan.commands.advise import request_from_args
-    from trainplan.advise.search import search, what_would_fit
-
-    s = search(request_from_args(cli.build_parser().parse_args([*argv(case), "--registry", "off"])))
-    fits = sum(o.fits for o in s.outcomes)
-    extra = 0 if fits else what_would_fit(s)[2]
-    return len(s.outcomes), s.evaluated + extra, fits
-
-
 def label(case: tuple) -> str:
     model, gpus, seq, batch, mode = case
     count, _, kind = gpus.partition("x")
@@ -64,15 +53,67 @@ def label(case: tuple) -> str:
     return f"{what} on {count} x {kind}, seq {seq}, batch {batch}"
 
 
+# One side of --against: the 70B case's search, 3 times in one process, as JSON seconds.
+_SIDE = """
+import json, sys, time
+from trainplan import cli
+from trainplan.commands.advise import request_from_args
+from trainplan.advise.search import search
+req = request_from_args(cli.build_parser().parse_args(json.loads(sys.argv[1])))
+seconds = []
+for _ in range(3):
+    t0 = time.perf_counter()
+    search(req)
+    seconds.append(time.perf_counter() - t0)
+print(json.dumps(seconds))
+"""
+
+
+def against(rev: str, rounds: int) -> str:
+    """The 70B search here and at `rev` (a git worktree in a temporary directory), alternating one
+    process per side per round; the ratio of the two medians in each round, then their median."""
+    import json
+    import tempfile
+
+    repo = Path(__file__).parents[1]
+    argv_json = json.dumps([*argv(CASES[CLI_CASE]), "--registry", "off"])
+    with tempfile.TemporaryDirectory() as tmp:
+        other = Path(tmp) / "other"
+        subprocess.run(["git", "-C", str(repo), "worktree", "add", "-q", "--detach", str(other), rev], check=True)
+        try:
+            theirs, ours = [], []
+            for _ in range(rounds):
+                for root, acc in ((other, theirs), (repo, ours)):
+                    out = subprocess.run(
+                        [sys.executable, "-c", _SIDE, argv_json], cwd=root, capture_output=True, text=True, check=True
+                    )
+                    acc.append(statistics.median(json.loads(out.stdout)))
+        finally:
+            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(other)], check=False)
+    ratios = [t / o for t, o in zip(theirs, ours, strict=True)]
+    return (
+        f"{label(CASES[CLI_CASE])}: {rev} median {statistics.median(theirs):.3f} s, this tree "
+        f"{statistics.median(ours):.3f} s; per-round ratio median {statistics.median(ratios):.2f} "
+        f"(n={rounds}, {min(ratios):.2f}-{max(ratios):.2f})"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=7, help="searches per case (median reported)")
     ap.add_argument("--write-doc", action="store_true", help="rewrite the table in docs/advise.md")
+    ap.add_argument(
+        "--against", metavar="REV", help="also time the 70B search at git revision REV, interleaved: per-round ratio"
+    )
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of --against (each: one process per side)")
     opts = ap.parse_args()
+    if opts.against:
+        print(against(opts.against, opts.rounds))
+        return
 
     from trainplan import cli
-    from trainplan.commands.advise import request_from_args
     from trainplan.advise.search import search, what_would_fit
+    from trainplan.commands.advise import request_from_args
 
     rows = []
     for case in CASES:
