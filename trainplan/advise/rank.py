@@ -11,6 +11,7 @@ from trainplan.advise.search import (
     MAX_DEVICES,
     NAMES,
     Outcome,
+    Rung,
     Search,
     base_ledger,
     peak_fraction,
@@ -18,7 +19,7 @@ from trainplan.advise.search import (
 )
 from trainplan.plan.ledger import Ledger
 from trainplan.resolve import NotRunnable, require_runnable, resolve
-from trainplan.spec.devices import GiB
+from trainplan.spec.devices import DeviceSpec, GiB
 from trainplan.spec.parallel import ParallelDims
 
 SCHEMA = "trainplan.advise/1"
@@ -54,16 +55,15 @@ def train_blocker(s: Search, o: Outcome) -> str:
     """What `trainplan train` would refuse in this entry, in a few words ('' if it runs it): the one
     rule `train` applies itself (trainplan/resolve.py `require_runnable`)."""
     cfg = o.rung.config(s.request.base, 1, s.request.global_batch)
-    r = o.rung
+    return rung_blocker(cfg, o.rung, s.request.spec.max_position_embeddings, s.devices)
+
+
+def rung_blocker(cfg: C.RunConfig, r: Rung, max_positions: int, devices: list[DeviceSpec]) -> str:
+    """train_blocker for a rung's config as it will be written."""
     strategy = r.strategy if r.dp > 1 else "single"
     dims = ParallelDims(world_size=r.dp * r.tp * r.pp, dp=r.dp, tp=r.tp, pp=r.pp, strategy=strategy)
     try:
-        require_runnable(
-            cfg,
-            dims,
-            max_positions=s.request.spec.max_position_embeddings,
-            cuda=all(d.is_gpu for d in s.devices),
-        )
+        require_runnable(cfg, dims, max_positions=max_positions, cuda=all(d.is_gpu for d in devices))
     except NotRunnable as e:
         return e.what
     return ""
@@ -80,7 +80,11 @@ def devices_text(s: Search) -> str:
 
 
 def mfu_text(s: Search, registry: str | None) -> str:
-    est = next((o.estimate for o in s.outcomes if o.estimate), None)
+    return estimate_note(next((o.estimate for o in s.outcomes if o.estimate), None), registry)
+
+
+def estimate_note(est: StepEstimate | None, registry: str | None) -> str:
+    """What the step-time estimate assumed (the MFU and where it came from), for one estimate."""
     if est is None:
         return "step time is an estimate (no fitting configuration to estimate)"
     parts = [f"{est.mfu[n] * 100:.1f}% on {n}, {est.mfu_source[n]}" for n in est.mfu]
@@ -208,13 +212,18 @@ def out_toml(s: Search, o: Outcome, rank: int, prefer: str, path: str) -> str:
         f"# why: {why(o, s, show_micro=prefer != 'memory')}",
         f"# run: {launch}",
     ]
+    return "\n".join(header + weights_note(cfg)) + "\n" + C.to_toml(cfg)
+
+
+def weights_note(cfg: C.RunConfig) -> list[str]:
+    """A comment line for a written config whose model is an architecture without weights."""
     source = cfg.model.source
     if cfg.model.init != "random" and not (source == "default" or source.endswith(".gguf") or Path(source).is_dir()):
-        header.append(
+        return [
             f"# before training: {source!r} names an architecture, not weights; set model.source to a local "
             "directory holding them (`trainplan train` refuses to start from random weights)"
-        )
-    return "\n".join(header) + "\n" + C.to_toml(cfg)
+        ]
+    return []
 
 
 def render_text(s: Search, doc: dict, args: argparse.Namespace, *, terminal: bool = False) -> str:

@@ -8,16 +8,21 @@ from dataclasses import replace
 from pathlib import Path
 
 from trainplan import config as C
+from trainplan.advise import maximize
 from trainplan.advise.estimate import calibration_from_records, records_from_registry
 from trainplan.advise.rank import (
     SCHEMA,
     devices_text,
     entry_json,
+    estimate_note,
+    launch_command,
     mfu_text,
     out_toml,
     ranked,
     render_text,
+    rung_blocker,
     train_blocker,
+    weights_note,
 )
 from trainplan.advise.search import Request, layouts, search, what_would_fit
 from trainplan.commands._common import add_registry_arg
@@ -36,7 +41,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="preset name, HF model dir, config.json or .gguf")
     p.add_argument("--gpus", default="auto", help="devices, e.g. 8xH100-80GB, 1x24GiB, cpu (default: this machine's)")
     p.add_argument("--gpu-mem", default=None, help="override every GPU's capacity, e.g. 24GiB")
-    p.add_argument("--seq", type=int, default=512, help="sequence length in tokens (default 512)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length in tokens (default 512)")
+    p.add_argument(
+        "--maximize",
+        default=None,
+        help="seq | micro-batch: per rung, the longest sequence (largest micro-batch) that fits, longest first",
+    )
     p.add_argument(
         "--global-batch", type=int, default=None, help="sequences per optimizer step (default: one per device)"
     )
@@ -77,7 +87,7 @@ def request_from_args(args: argparse.Namespace) -> Request:
     settings = {
         "model.source": model,
         "hardware.gpus": args.gpus,
-        "batch.seq_len": args.seq,
+        "batch.seq_len": 512 if args.seq is None else args.seq,
         "hardware.safety_margin": args.margin,
     }
     if args.gpu_mem:
@@ -156,6 +166,8 @@ def training_steps(args: argparse.Namespace, base: C.RunConfig, spec, global_bat
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.maximize is not None:
+        return run_maximize(args)
     req = request_from_args(args)
     s = search(req)
     order = ranked(s, args.prefer)
@@ -203,3 +215,75 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render_text(s, doc, args, terminal=is_terminal()))
     return 0 if order else 1
+
+
+# ---- --maximize ------------------------------------------------------------------------------
+
+
+def run_maximize(args: argparse.Namespace) -> int:
+    """Per rung, the longest sequence (or the largest micro-batch) that fits every device."""
+    _choice("--maximize", args.maximize, maximize.AXES)
+    what = "sequence length" if args.maximize == "seq" else "micro-batch"
+    if args.maximize == "seq" and args.seq is not None:
+        raise ConfigError("--seq", "--maximize seq searches the sequence length", "drop --seq")
+    if args.prefer != "ladder":
+        raise ConfigError("--prefer", f"--maximize ranks by the largest {what} that fits", "drop --prefer")
+    for flag, value in (("--tokens", args.tokens), ("--epochs", args.epochs)):
+        if value is not None:
+            raise ConfigError(
+                flag, f"the run's length depends on the {what} the search finds", "set it with --set train.steps=N"
+            )
+    if args.maximize == "seq":
+        args.seq = maximize.SEQ_STEP  # the request is checked at the smallest candidate
+    req = request_from_args(args)
+    micro = req.base.batch.micro_batch_size
+    if args.maximize == "micro-batch" and micro is not None:
+        raise ConfigError("batch.micro_batch_size", "--maximize micro-batch searches it", "drop that --set")
+    micro = micro or 1
+    if args.global_batch is None:  # one micro-batch per device, as the plain search's default
+        req.global_batch *= micro
+    m = maximize.maximize(req, args.maximize, micro_batch=micro, fixed_global_batch=args.global_batch is not None)
+    top = m.ranked if args.top == 0 else m.ranked[: args.top]
+    doc = {
+        "schema": maximize.SCHEMA,
+        "model": req.spec.summary(),
+        "devices": devices_text(m),
+        "request": {
+            "maximize": args.maximize,
+            "mode": args.mode,
+            "seq_len": None if args.maximize == "seq" else req.base.batch.seq_len,
+            "micro_batch_size": micro if args.maximize == "seq" else None,
+            "global_batch_size": m.global_batch,
+            "margin": args.margin,
+        },
+        "cap": {"value": m.cap, "reason": m.cap_reason},
+        "rungs": len(m.results),
+        "fit": len(m.ranked),
+        "evaluated": m.evaluated,
+        "seconds": m.seconds,
+        "entries": [maximize.entry_json(m, x, i + 1) for i, x in enumerate(top)],
+        "estimate_note": estimate_note(m.ranked[0].estimate if m.ranked else None, args.registry),
+        "nothing_fits": None if m.ranked else maximize.nothing_fits(m),
+        "out": None,
+    }
+    notes = []
+    if m.ranked and args.out:
+        spec = req.spec
+        blockers = [rung_blocker(x.config, x.rung, spec.max_position_embeddings, m.devices) for x in m.ranked]
+        chosen = next((i for i, b in enumerate(blockers) if not b), 0)
+        launch = launch_command(len(m.devices), args.out)
+        x = m.ranked[chosen]
+        write_atomic(args.out, maximize.out_toml(m, x, chosen + 1, launch, weights_note(x.config)))
+        doc["out"] = {"path": str(Path(args.out)), "rank": chosen + 1, "run": launch}
+        if chosen:
+            notes.append(f"wrote rank {chosen + 1}: `trainplan train` does not run {blockers[0]} yet")
+        elif blockers[0]:
+            notes.append(f"every entry needs something `trainplan train` does not run yet: {blockers[0]}")
+    elif args.out:
+        notes.append(f"nothing fits: {args.out} not written")
+    doc["notes"] = notes
+    if args.format == "json":
+        print(json.dumps(doc, indent=1))
+    else:
+        print(maximize.render_text(m, doc, terminal=is_terminal()))
+    return 0 if m.ranked else 1
