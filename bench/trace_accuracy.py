@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -159,7 +160,8 @@ def write_bands(rows: list[tuple[str, float]], path: Path, source: str) -> None:
     bands: dict[str, float] = {}
     for preset, diff in rows:
         model_type = load_model_spec(preset).model_type
-        bands[model_type] = max(bands.get(model_type, 0.0), round(max(0.0, -diff), 4))
+        # rounded up: a band below the worst under-prediction would leave the verdict short of it
+        bands[model_type] = max(bands.get(model_type, 0.0), math.ceil(max(0.0, -diff) * 1e4 - 1e-9) / 1e4)
     text = json.dumps({"source": f"{source} ({time.strftime('%Y-%m-%d')})", "bands": bands}, indent=1)
     path.write_text(text + "\n")
     print(f"bands: {bands} -> {path}")

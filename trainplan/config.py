@@ -335,17 +335,33 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class MemoryConfig:
-    activation_checkpointing: bool = False  # recompute each layer in backward instead of saving it
+    # recompute layers in backward instead of saving their activations: false | true (every layer) |
+    # N (the first N decoder layers) | "auto" (the fewest layers that fit every device's budget)
+    activation_checkpointing: bool | int | str = False
     attention: str = "auto"  # auto: sdpa where transformers supports it for the model, else eager
 
     def __post_init__(self) -> None:
         _choice("memory", "attention", self.attention, ATTENTIONS)
+        ac = self.activation_checkpointing
+        if isinstance(ac, str) and ac in ("none", "full"):
+            self.activation_checkpointing = ac == "full"
+        elif not (isinstance(ac, bool) or ac == "auto" or (isinstance(ac, int) and ac >= 0)):
+            raise ConfigError(
+                "memory.activation_checkpointing",
+                f"unknown value {ac!r}",
+                'use false, true (every layer), a number of layers N, or "auto" (the fewest that fit)',
+            )
+        elif isinstance(ac, int) and not isinstance(ac, bool) and ac == 0:
+            self.activation_checkpointing = False
 
 
 @dataclass(kw_only=True)
 class HardwareConfig:
     gpus: str = "auto"  # "8xH100-80GB", "A100-80GB,RTX4090", "2x24GiB", "cpu", "auto"
     gpu_mem: str | None = None  # overrides the capacity of every GPU, e.g. "24GiB"
+    # a cap on every device's bill, e.g. "20GiB": the verdict and memory.activation_checkpointing = "auto"
+    # fit under it, and accept checks each device's measured peak against it
+    memory_budget: str | None = None
     host_mem: str | None = None  # host RAM per node for offloaded states; default: this machine's
     cuda_context_mib: int = 600  # CUDA context + kernel images, per GPU process
     cublas_workspace_mib: int = 32  # cuBLAS workspace per handle (Hopper default)

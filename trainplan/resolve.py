@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from trainplan import config as C
 from trainplan.errors import ConfigError
-from trainplan.spec.devices import DeviceSpec, parse_devices
+from trainplan.spec.devices import DeviceSpec, parse_devices, parse_size
 from trainplan.spec.model import ModelSpec, fused_loss_applies, load_model_spec
 from trainplan.spec.parallel import ParallelDims, ResolvedBatch, build_parallel_dims, resolve_batch
 from trainplan.spec.precision import PRECISIONS, Precision
@@ -36,6 +36,26 @@ class Resolved:
     @property
     def training(self) -> bool:
         return self.cfg.mode != "inference"
+
+    @property
+    def checkpointed_layers(self) -> int:
+        """How many decoder layers recompute in backward (the first ones): memory.activation_checkpointing
+        as a count. "auto" is chosen by the planner (plan/analytic.py `choose_checkpointing`) before
+        anything plans or builds with it."""
+        ac = self.cfg.memory.activation_checkpointing
+        if not self.training or ac is False:
+            return 0
+        if ac is True:
+            return self.spec.num_layers
+        if ac == "auto":
+            raise AssertionError('memory.activation_checkpointing = "auto" reached the planner unchosen')
+        return ac
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """hardware.memory_budget in bytes: a cap on every device's bill."""
+        budget = self.cfg.hardware.memory_budget
+        return None if budget is None else parse_size(budget, "hardware.memory_budget")
 
     @property
     def fused_loss(self) -> bool:
@@ -98,6 +118,15 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
                     f"{target!r} matches no linear layer of {spec.name}",
                     "its linear layers are " + ", ".join(sorted(known)),
                 )
+    ac = cfg.memory.activation_checkpointing
+    if not isinstance(ac, bool) and isinstance(ac, int) and ac > spec.num_layers:
+        raise ConfigError(
+            "memory.activation_checkpointing",
+            f"{ac} layers, but {spec.name} has {spec.num_layers}",
+            f"use at most {spec.num_layers}, or true to checkpoint every layer",
+        )
+    if cfg.hardware.memory_budget is not None:
+        parse_size(cfg.hardware.memory_budget, "hardware.memory_budget")  # refuses a size without a unit
     spec.attention(cfg.memory.attention)  # refuses sdpa where transformers has none
     dims = build_parallel_dims(cfg.parallel, len(devices), spec)
     batch = resolve_batch(cfg.batch, dims.dp)

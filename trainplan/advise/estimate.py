@@ -83,7 +83,8 @@ def flops_per_token(r: Resolved) -> float:
     Full training: 6N + 12·L·q_dim·S (a forward of 2N + 4·L·q_dim·S for the weight matmuls and the
     two attention matmuls QK^T and AV, and a backward of twice that). LoRA: the frozen weights skip
     their weight-gradient GEMMs, so 4N, plus 6 per adapter parameter; attention has no weights and
-    keeps its full backward. Activation checkpointing repeats the forward. Inference: one forward.
+    keeps its full backward. Activation checkpointing repeats the forward (of the checkpointed share of
+    the layers). Inference: one forward.
     """
     spec, cfg = r.spec, r.cfg
     n = matmul_params(spec)
@@ -96,7 +97,7 @@ def flops_per_token(r: Resolved) -> float:
         n_adapter = adapter_params(spec, cfg.lora.r, cfg.lora.target_modules)
         fwd = 2 * n + 2 * n_adapter + attn_fwd
         total = 4 * n + 6 * n_adapter + 3 * attn_fwd
-    return total + (fwd if cfg.memory.activation_checkpointing else 0)
+    return total + fwd * r.checkpointed_layers // spec.num_layers  # the checkpointed layers' forward, again
 
 
 def _link_gbps(device: DeviceSpec, world: int, *, cross_node: bool) -> float | None:
@@ -146,7 +147,7 @@ def tensor_parallel_bytes(r: Resolved) -> float:
     if tp == 1:
         return 0.0
     per_micro = r.batch.micro_batch_size * r.batch.seq_len * r.spec.hidden_size * r.precision.compute_bytes
-    passes = 1 if r.cfg.mode == "inference" else 2 + (1 if r.cfg.memory.activation_checkpointing else 0)
+    passes = 1 if r.cfg.mode == "inference" else 2 + (r.checkpointed_layers / r.spec.num_layers or 0)
     layers = -(-r.spec.num_layers // r.dims.pp)
     return r.batch.grad_accum_steps * layers * 2 * passes * 2 * (tp - 1) / tp * per_micro
 

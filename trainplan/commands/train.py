@@ -5,6 +5,8 @@ The loop returns the run record; this command writes it and adds it to the run r
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 
 from trainplan.commands._common import (
@@ -74,6 +76,12 @@ def execute(cfg, registry_arg: str | None = None, *, quiet: bool = False):
     """Run cfg, register the run and write its record (on the main rank); (record, env)."""
     from trainplan.run import loop, record
 
+    if cfg.memory.activation_checkpointing == "auto":  # the planner chooses; every rank the same
+        from trainplan.plan.analytic import choose_checkpointing
+
+        cfg, note = choose_checkpointing(cfg)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"trainplan train: {note}", file=sys.stderr)
     rec, env = loop.run(cfg, quiet=quiet)
     if env.is_main:  # the record first: the registry never lists a run whose record was not written
         out = Path(rec.config["train"]["output_dir"])

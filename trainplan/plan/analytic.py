@@ -12,6 +12,7 @@ partition, and whenever gradient accumulation spans more than one micro-batch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from trainplan import config as C
@@ -60,7 +61,7 @@ __all__ = [  # what other modules import from here; the terms themselves live in
 def _backward_copies(ctx: T.RankContext, copies: int) -> int:
     """autocast's weight copies at the start of backward: all of forward's, unless checkpointing
     released the layers' (T.casts_kept_by_checkpointing)."""
-    if ctx.cfg.memory.activation_checkpointing and ctx.autocast and ctx.full and not ctx.fsdp:
+    if ctx.ck and ctx.autocast and ctx.full and not ctx.fsdp:
         return T.casts_kept_by_checkpointing(ctx)
     return copies
 
@@ -174,6 +175,7 @@ def _device_ledger(
         offload_bytes=offload_bytes,
         error_band=band,
         error_band_source=band_source,
+        budget_bytes=r.budget_bytes,
     )
     _runtime_explain(led, r.cfg)
     return led
@@ -282,7 +284,58 @@ def zero_model_state_bytes(*, params: int, dp: int, stage: int, k: int = 12, low
 
 
 def plan(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Ledger:
+    if cfg.memory.activation_checkpointing == "auto":
+        cfg, note = choose_checkpointing(cfg, spec)
+        ledger = plan_resolved(resolve(cfg, spec))
+        ledger.notes.insert(1, note)
+        return ledger
     return plan_resolved(resolve(cfg, spec))
+
+
+def choose_checkpointing(cfg: C.RunConfig, spec: ModelSpec | None = None) -> tuple[C.RunConfig, str]:
+    """memory.activation_checkpointing = "auto": the fewest checkpointed layers (the least
+    recompute) whose plan fits every device, under hardware.memory_budget where one is set;
+    (cfg with that count, the reason in one line). Each checkpointed layer keeps its input instead
+    of its saved tensors, so memory falls as the count grows: a binary search between none and
+    every layer, each step a full plan. The answer is always planned and fits, unless even every
+    layer does not fit: then every layer, and the plan says what does not fit."""
+    spec = spec or resolve(cfg).spec
+
+    def at(n: int) -> C.RunConfig:
+        value: bool | int = n if 0 < n < spec.num_layers else n > 0
+        return dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, activation_checkpointing=value))
+
+    def fits(n: int) -> Ledger:
+        return plan_resolved(resolve(at(n), spec))
+
+    if cfg.mode == "inference":
+        return at(0), "activation checkpointing auto: inference saves nothing for backward, so none"
+    layers = spec.num_layers
+    none = fits(0)
+    if none.fits:
+        d = min(none.all_ledgers, key=lambda x: x.headroom_bytes)
+        return at(0), (
+            f"activation checkpointing auto: none; the run fits without it (least headroom {gib(d.headroom_bytes)} "
+            f"on {d.label})"
+        )
+    every = fits(layers)
+    if not every.fits:
+        return at(layers), "activation checkpointing auto: every layer, and even so the run does not fit (below)"
+    lo, hi, over = 0, layers, none  # lo does not fit, hi does
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        ledger = fits(mid)
+        if ledger.fits:
+            hi = mid
+        else:
+            lo, over = mid, ledger
+    d = min(over.all_ledgers, key=lambda x: x.headroom_bytes)
+    what = "every layer" if hi == layers else f"{hi} of {layers} layers"
+    fewer = "none" if lo == 0 else f"{lo} layers"
+    return at(hi), (
+        f"activation checkpointing auto: {what}, the fewest that fit every device (with {fewer}, {d.label} is over "
+        f"by {gib(-d.headroom_bytes)}{' of hardware.memory_budget' if d.budget_bytes is not None else ''})"
+    )
 
 
 def plan_resolved(r: Resolved) -> Ledger:
@@ -358,11 +411,16 @@ def _settings(r: Resolved) -> dict:
     settings["summary"] = (
         f"{cfg.mode}, {cfg.precision}, micro-batch {b.micro_batch_size} x accum "
         f"{b.grad_accum_steps} x dp {b.dp} = global {b.global_batch_size}, seq {b.seq_len}, "
-        f"{r.dims.describe()}"
-        + (", activation checkpointing" if cfg.memory.activation_checkpointing else "")
-        + f", {r.attention} attention"
+        f"{r.dims.describe()}" + _checkpointing_text(r) + f", {r.attention} attention"
     )
     return settings
+
+
+def _checkpointing_text(r: Resolved) -> str:
+    n, layers = r.checkpointed_layers, r.spec.num_layers
+    if not n:
+        return ""
+    return ", activation checkpointing" + ("" if n == layers else f" ({n} of {layers} layers)")
 
 
 def _notes(r: Resolved) -> list[str]:

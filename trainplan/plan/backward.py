@@ -38,24 +38,37 @@ def backward_moments(
         regather = dict(start)
         regather["weight_copies"] = 2 * ctx.root_numel * ctx.cb
         candidates.append(regather)
-    if ctx.fused and ctx.layers and not ctx.cfg.memory.activation_checkpointing:
+    if ctx.fused and ctx.layers and ctx.ck < len(ctx.layers):  # the top layer is not checkpointed
         top_layer = _top_layer_mlp_backward(ctx, start, end, adapter, grads, acts)
         candidates += [top_layer, _final_norm_backward(ctx, start, top_layer, adapter, grads, acts)]
-    if ctx.cfg.memory.activation_checkpointing and ctx.layers:
-        # Checkpointing: the top layer is recomputed while every layer's kept input still exists.
-        top_layer = dict(end)
-        top_layer["gradients"] = grads.live_fwd + (grads.head if ctx.full and ctx.last else 0)
-        top_layer["adapter"] = adapter.live + (adapter.grads if ctx.persistent_grads else 0)
-        top_layer["weight_copies"] = start["weight_copies"]
-        if ctx.autocast and ctx.full and not ctx.fsdp:  # the recomputed layer's casts, made again
-            top_layer["weight_copies"] = casts_kept_by_checkpointing(ctx, ctx.layers[-1])
-        top_layer["activations"] = (
-            acts.first_layer_bwd
-            + ctx.in_flight * acts.step_inputs
-            + ctx.in_flight * (len(ctx.layers) - 1) * acts.layer_in
-        )
-        candidates.append(top_layer)
+    if ctx.ck:
+        candidates.append(_recompute(ctx, start, end, adapter, grads, acts))
     return candidates
+
+
+def _recompute(
+    ctx: RankContext, start: dict[str, int], end: dict[str, int], adapter: AdapterTerm, grads: GradTerm, acts: ActTerm
+) -> dict[str, int]:
+    """Checkpointing: the top checkpointed layer is recomputed while every checkpointed layer's kept
+    input still exists. Layers above it (not checkpointed) have run their backward: their saved
+    tensors are released and their gradients formed."""
+    top = ctx.layers[ctx.ck - 1]
+    moment = dict(end)
+    if ctx.ck == len(ctx.layers):  # every layer of the stage: only the head's gradient exists yet
+        moment["gradients"] = grads.live_fwd + (grads.head if ctx.full and ctx.last else 0)
+    elif ctx.full and not ctx.persistent_grads:  # all but those of the layers below, `top` included
+        unformed = ctx.tensors.numel(("below", top + 1), ctx.tp, ctx.shard_g) * ctx.prec.grad_bytes
+        moment["gradients"] = grads.nbytes - unformed
+    else:
+        moment["gradients"] = grads.live_fwd
+    moment["adapter"] = adapter.live + (adapter.grads if ctx.persistent_grads else 0)
+    moment["weight_copies"] = start["weight_copies"]
+    if ctx.autocast and ctx.full and not ctx.fsdp:  # the recomputed layer's casts, made again
+        moment["weight_copies"] = casts_kept_by_checkpointing(ctx, top, plain_layers=False)
+    moment["activations"] = (
+        acts.first_layer_bwd + ctx.in_flight * acts.step_inputs + ctx.in_flight * (ctx.ck - 1) * acts.layer_in
+    )
+    return moment
 
 
 def _backward_end(

@@ -61,6 +61,7 @@ class DeviceLedger:
     # kept free on top of the bill before the verdict says it fits.
     error_band: float = 0.0
     error_band_source: str = ""
+    budget_bytes: int | None = None  # hardware.memory_budget: a cap on the bill below the device's capacity
 
     def for_rank(self, *, label: str, device: DeviceSpec, role: str, rank: int) -> DeviceLedger:
         """This bill on another rank of the same kind: the ranks share the bill's dicts."""
@@ -104,7 +105,14 @@ class DeviceLedger:
 
     @property
     def usable_bytes(self) -> int:
-        return int(self.device.capacity_bytes * (1 - self.safety_margin))
+        usable = int(self.device.capacity_bytes * (1 - self.safety_margin))
+        return usable if self.budget_bytes is None else min(usable, self.budget_bytes)
+
+    @property
+    def usable_text(self) -> str:
+        """'79.65 GiB usable', or '20.00 GiB usable (hardware.memory_budget)' when the budget binds."""
+        budget = self.budget_bytes is not None and self.usable_bytes == self.budget_bytes
+        return f"{gib(self.usable_bytes)} usable" + (" (hardware.memory_budget)" if budget else "")
 
     @property
     def error_margin_bytes(self) -> int:
@@ -145,6 +153,7 @@ class DeviceLedger:
             "kind": self.device.kind,
             "capacity_bytes": self.device.capacity_bytes,
             "usable_bytes": self.usable_bytes,
+            "budget_bytes": self.budget_bytes,
             "role": self.role,
             "components": self.components,
             "phases": {p: {**c, "total": sum(c.values())} for p, c in self.phases.items()},
@@ -200,7 +209,7 @@ class Ledger:
             alike = sum(1 for x in self.devices if x is not d and x.bill_key() == d.bill_key())
             label = d.label + (f" and {alike} alike" if alike else "")
             parts.append(
-                f"{label} ({d.device.name}, {gib(d.usable_bytes)} usable) needs "
+                f"{label} ({d.device.name}, {d.usable_text}) needs "
                 f"{gib(d.total_bytes)} at the {d.peak_phase} peak, over by {gib(-d.headroom_bytes)}"
                 f"{_band_text(d)}; largest component {comp} {gib(d.components[comp])}"
             )

@@ -73,8 +73,15 @@ _SUBSETS = {
         )
     ),
     "cast": _cast,  # (fused_loss, last)
-    # the casts outside the checkpointed layers, and those of `layer` (fused_loss, last, layer)
-    "cast_kept": lambda t, stage, fused, last, layer: _cast(t, stage, fused, last) and t.layer in (None, layer),
+    # the casts outside the first n (checkpointed) layers, and those of `layer` (fused_loss, last, n, layer)
+    "cast_kept": lambda t, stage, fused, last, n, layer: (
+        _cast(t, stage, fused, last) and (t.layer is None or t.layer >= n or t.layer == layer)
+    ),
+    # the gradients not yet formed when layer n's backward ends: the layers below it and an untied
+    # embedding (n)
+    "below": lambda t, stage, n: (
+        (t.layer is not None and t.layer < n) or (t.role == "embedding" and not stage.spec.tie_word_embeddings)
+    ),
     "cast_in_layer": lambda t, stage, fused, last, layer: _cast(t, stage, fused, last) and t.layer == layer,
 }
 

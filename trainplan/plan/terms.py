@@ -74,6 +74,8 @@ class RankContext:
     persistent_grads: bool  # gradients live from one micro-batch's backward into the next forward
     fused: bool  # the fused (chunked) loss runs on this stage
     in_flight: int  # micro-batches whose activations a pipeline stage holds at once
+    checkpointed: int  # activation checkpointing: the first `checkpointed` decoder layers of the model
+    ck: int  # of them, the ones on this stage (its first `ck` layers)
     act: A.ActContext
     saved: dict[bool, tuple]  # `_saved`: one layer's saved tensors, its input requiring grad or not
 
@@ -196,6 +198,8 @@ def rank_context(r: Resolved, rank: int) -> RankContext:
         persistent_grads=dims.keeps_grads_between_steps or batch.grad_accum_steps > 1,
         fused=r.fused_loss and last,
         in_flight=min(dims.pp - stage, batch.grad_accum_steps) if dims.pp > 1 else 1,
+        checkpointed=r.checkpointed_layers,
+        ck=max(0, min(layers.stop, r.checkpointed_layers) - layers.start),
         act=act,
         saved=_saved(spec, act),
     )
@@ -259,22 +263,28 @@ def weights(ctx: RankContext) -> Term:
     return Term(w_train + w_frozen + w_quant, note)
 
 
-def autocast_cast_numel(ctx: RankContext, subset: str = "cast", layer: int | None = None) -> int:
+def autocast_cast_numel(
+    ctx: RankContext, subset: str = "cast", layer: int | None = None, *, plain_layers: bool = True
+) -> int:
     """Elements of the trainable tensors autocast casts (tensors.py `_cast`: matmul weights only),
     per tensor-parallel rank: every one ("cast"), those outside the checkpointed layers plus
     `layer`'s ("cast_kept"), or `layer`'s alone ("cast_in_layer")."""
     if not ctx.full:
         return 0
-    args = (ctx.r.fused_loss, ctx.last) + ((layer,) if subset != "cast" else ())
+    args: tuple = (ctx.r.fused_loss, ctx.last)
+    if subset == "cast_kept":
+        args += (ctx.checkpointed if plain_layers else ctx.spec.num_layers, layer)
+    elif subset != "cast":
+        args += (layer,)
     return ctx.tensors.numel((subset, *args), ctx.tp)
 
 
-def casts_kept_by_checkpointing(ctx: RankContext, layer: int | None = None) -> int:
+def casts_kept_by_checkpointing(ctx: RankContext, layer: int | None = None, *, plain_layers: bool = True) -> int:
     """Activation checkpointing with autocast: the cache is cleared when the forward (with the
     loss) leaves autocast, and a checkpointed layer saved no cast for backward, so only the casts
-    of ops outside the checkpoints (the head's) live into backward, plus `layer`'s while it is
-    recomputed."""
-    return autocast_cast_numel(ctx, "cast_kept", layer) * ctx.cb
+    of ops outside the checkpoints live into backward: the head's, and the layers' not checkpointed
+    (`plain_layers`: until their backward has run), plus `layer`'s while it is recomputed."""
+    return autocast_cast_numel(ctx, "cast_kept", layer, plain_layers=plain_layers) * ctx.cb
 
 
 def weight_copies(ctx: RankContext) -> Term:
@@ -507,28 +517,34 @@ def activations(ctx: RankContext) -> ActTerm:
     spec, act, batch, in_flight = ctx.spec, ctx.act, ctx.batch, ctx.in_flight
     n_layers = len(ctx.layers)
     per_layer, per_layer_bytes = _layer_saved(ctx), _layer_saved_bytes(ctx)
-    saved_layers = n_layers * per_layer_bytes
-    if ctx.first and not ctx.full:  # the frozen embedding's output needs no grad: layer 0's first norm saves nothing
+    ck = ctx.ck  # the stage's first ck layers keep only their input (checkpointing)
+    layer_in = ctx.tokens * spec.hidden_size * ctx.residual
+    saved_layers = ck * layer_in + (n_layers - ck) * per_layer_bytes
+    if ctx.first and not ctx.full and ck == 0:
+        # the frozen embedding's output needs no grad: layer 0's first norm saves nothing
         saved_layers += _layer_saved_bytes(ctx, input_requires_grad=False) - per_layer_bytes
     head_saved = A.head_saved(spec, act, lm_head_trainable=ctx.full and not ctx.fused) if ctx.last else []
-    layer_in = ctx.tokens * spec.hidden_size * ctx.residual
-    if ctx.cfg.memory.activation_checkpointing:
-        fwd = in_flight * (n_layers * layer_in + A.total(head_saved))
-        bwd = fwd  # recomputation starts after the loss's backward; see backward_moments
+    fwd = in_flight * (saved_layers + A.total(head_saved))
+    bwd = fwd  # recomputation starts after the loss's backward; see backward_moments
+    top = max(per_layer, key=lambda s: s.nbytes, default=None)
+    plain = (
+        f"{gib(per_layer_bytes)} saved per layer (micro-batch {batch.micro_batch_size}, seq {batch.seq_len}) x "
+        f"{in_flight} micro-batch(es) in flight"
+        + (f"; largest saved tensor {top.name} {gib(top.nbytes)}" if top else "")
+    )
+    if ck == n_layers and ck:
         note = (
             f"checkpointing keeps each layer's input ({gib(layer_in)}) x {n_layers} "
             f"layers x {in_flight} micro-batch(es) in flight, plus one layer recomputed in "
             f"backward ({gib(per_layer_bytes)})"
         )
-    else:
-        fwd = in_flight * (saved_layers + A.total(head_saved))
-        bwd = fwd
-        top = max(per_layer, key=lambda s: s.nbytes)
+    elif ck:
         note = (
-            f"{n_layers} layers x {gib(per_layer_bytes)} saved per layer "
-            f"(micro-batch {batch.micro_batch_size}, seq {batch.seq_len}) x {in_flight} micro-batch(es) "
-            f"in flight; largest saved tensor {top.name} {gib(top.nbytes)}"
+            f"checkpointing the first {ck} of {n_layers} layers keeps their inputs ({gib(layer_in)} each; one "
+            f"recomputed at a time in backward); the other {n_layers - ck} layers x {plain}"
         )
+    else:
+        note = f"{n_layers} layers x {plain}"
     step_inputs = A.step_inputs_bytes(spec, act)
     fwd += in_flight * step_inputs
     bwd += in_flight * step_inputs
@@ -583,7 +599,7 @@ def _first_layer_backward(ctx: RankContext, layer_in: int) -> int:
     else:  # by the time the MLP's input gradients are formed, down_proj's backward has released its input
         mlp_bwd = 4 * tokens * inter * cb - (tokens * inter * cb if ctx.full else 0)
     first_layer_bwd = saved + mlp_bwd + layer_in  # + the residual stream's gradient
-    if ctx.cfg.memory.activation_checkpointing and ctx.residual != 4:  # else the norm's fp32 input is the kept input
+    if ctx.ck and ctx.residual != 4:  # else the norm's fp32 input is the kept input
         first_layer_bwd += layer_in
     return first_layer_bwd
 

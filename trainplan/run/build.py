@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from trainplan.config import RunConfig
-from trainplan.errors import TrainplanError
+from trainplan.errors import ConfigError, TrainplanError
 from trainplan.resolve import with_lora_modules
 from trainplan.run import loss, qlora
 from trainplan.spec.model import ModelSpec, fused_loss_applies
@@ -129,16 +129,37 @@ def build_model(
     tp = dims.tp if dims is not None else 1
     if fused_loss_applies(spec, enabled=cfg.train.fused_loss, mode=cfg.mode, tp=tp):
         loss.install(model, cfg.train.loss_chunk_tokens)
-    if cfg.memory.activation_checkpointing and cfg.mode != "inference":
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.memory.activation_checkpointing is not False and cfg.mode != "inference":
+        checkpoint_layers(model, spec, cfg.memory.activation_checkpointing)
     if cfg.mode != "inference":
         model.train()
     if dims is not None and dims.shards_params:
         model = apply_fsdp(model, dims, prec, mesh)
     return model
+
+
+def checkpoint_layers(model: nn.Module, spec, setting: bool | int | str) -> None:
+    """Activation checkpointing on the first N decoder layers (True: every one). The first ones
+    hold their activations longest (backward reaches them last), so they are the ones to recompute.
+    transformers' switch turns it on for every layer; the layers from N on are turned back off."""
+    if setting == "auto":
+        raise ConfigError(
+            "memory.activation_checkpointing",
+            '"auto" is chosen by the planner before a run, and this run was started without it',
+            "start it with `trainplan train` (which chooses), or give a number of layers",
+        )
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if len(layers) != spec.num_layers:
+        raise AssertionError(f"found {len(layers)} decoder layers to checkpoint, the spec has {spec.num_layers}")
+    if setting is not True:
+        for layer in layers[setting:]:
+            layer.gradient_checkpointing = False
 
 
 def allocate(model: nn.Module, device: torch.device | str) -> nn.Module:

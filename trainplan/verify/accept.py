@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -143,6 +144,9 @@ def accept(
     from trainplan.verify.resume import run_train
 
     t0 = time.perf_counter()
+    if cfg.memory.activation_checkpointing == "auto":  # the run and the plan it is checked against use the choice
+        cfg, note = analytic.choose_checkpointing(cfg)
+        print(f"trainplan accept: {note}", file=sys.stderr)
     out_dir.mkdir(parents=True, exist_ok=True)
     for own in ("train", "overfit"):  # accept's own runs start clean in a reused output dir
         shutil.rmtree(out_dir / own / "checkpoints", ignore_errors=True)
