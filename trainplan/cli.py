@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "export": "export",
     "generate": "generate",
     "trace": "trace",
+    "launch": "launch",
     "devices": "devices",
     "settings": "settings",
     "config": "settings",  # `trainplan config --show [CONFIG]`: the same listing, a file's values beside the defaults
