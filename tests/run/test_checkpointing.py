@@ -92,6 +92,19 @@ def test_auto_chooses_the_fewest_layers_under_the_budget_and_the_run_stays_under
     assert rank["peak_bytes"] <= ledger.devices[0].budget_bytes  # the measured peak, under the budget
     check = check_memory(record, analytic.plan(C.from_dict(record.config)), 0.05)
     assert check.passed, check.summary
+    (proof,) = check.evidence["budget"]  # accept's memory check proves the budget on the run
+    assert (
+        proof["ok"]
+        and proof["measured_bill"] == rank["peak_bytes"]
+        and proof["budget"] == ledger.devices[0].budget_bytes
+    )
+    assert "every device under hardware.memory_budget" in check.summary
+    # the same run against a budget it exceeds: the check fails, and says by how much
+    tight = analytic.plan(
+        C.from_dict({**record.config, "hardware": {**record.config["hardware"], "memory_budget": "1MiB"}})
+    )
+    failed = check_memory(record, tight, 0.05)
+    assert not failed.passed and "1 of 1 devices over hardware.memory_budget" in failed.summary
 
 
 def test_auto_says_none_when_the_run_fits_and_every_layer_when_nothing_does(four_layers):

@@ -139,6 +139,7 @@ def check_memory(record: RunRecord, ledger, tolerance: float) -> Check:
         load = [r for r in more if r["phase"] == "load"]
         rows = load + rows + [r for r in more if r["phase"] != "load"]  # in the run's order
         failures += bad
+    budget = under_budget(ledger, mem["per_rank"])
     worst = max(failures or rows, key=lambda r: abs(r["error_of_peak"]))
     peaks = {f"rank {i} ({m['device']})": m["peak_bytes"] for i, m in enumerate(mem["per_rank"])}
     parts = f" [{', '.join(worst['components'])}]" if worst["components"] else ""
@@ -152,7 +153,17 @@ def check_memory(record: RunRecord, ledger, tolerance: float) -> Check:
         if failures
         else f"all {len(rows)} rows within ±{tolerance:.0%} of each device's measured peak; largest: {describe}"
     )
+    if budget:
+        over = [b for b in budget if not b["ok"]]
+        summary += "; " + (
+            f"{len(over)} of {len(budget)} devices over hardware.memory_budget: {over[0]['device']} measured "
+            f"{format_gib(over[0]['measured_bill'], 3)} of {format_gib(over[0]['budget'], 3)}"
+            if over
+            else f"every device under hardware.memory_budget ({format_gib(budget[0]['budget'], 3)}); largest "
+            f"{format_gib(max(b['measured_bill'] for b in budget), 3)}"
+        )
     evidence = {
+        "budget": budget,
         "tolerance": tolerance,
         "measured_step": mem["step"],
         "rows": rows,
@@ -166,7 +177,31 @@ def check_memory(record: RunRecord, ledger, tolerance: float) -> Check:
         "CUDA adds max_memory_allocated/reserved and NVML per phase; RSS is recorded, not compared "
         "(it holds the interpreter, libraries and data)",
     }
-    return Check("memory", "Memory, plan vs measured per device", not failures, summary, evidence)
+    passed = not failures and all(b["ok"] for b in budget)
+    return Check("memory", "Memory, plan vs measured per device", passed, summary, evidence)
+
+
+def under_budget(ledger, measured: list[dict]) -> list[dict]:
+    """hardware.memory_budget, proved on the run: each device's measured peak plus what the plan
+    adds beside the allocator's bytes (the runtime and the allocator's reserve, which the storage
+    tracker does not see) against the budget. Empty when no budget is set."""
+    out = []
+    for rank, m in enumerate(measured):
+        dev = ledger.devices[rank] if rank < len(ledger.devices) else ledger.devices[0]
+        if dev.budget_bytes is None:
+            continue
+        peak = m["peak_bytes"]
+        bill = peak + dev.runtime_bytes + int(dev.reserve_fraction * peak)
+        out.append(
+            {
+                "device": f"rank {rank} ({m['device']})",
+                "measured_peak": peak,
+                "measured_bill": bill,
+                "budget": dev.budget_bytes,
+                "ok": bill <= dev.budget_bytes,
+            }
+        )
+    return out
 
 
 # ---- (c) training step ----------------------------------------------------------------------
