@@ -360,11 +360,9 @@ def test_out_file_skips_what_the_training_engine_does_not_run(tmp_path, capsys):
     out = tmp_path / "chosen.toml"
     assert cli.main(["advise", *NODE_70B, "--format", "json", "--out", str(out)]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["entries"][0]["train_refuses"] == "8-bit AdamW (bitsandbytes)"  # rank 1 needs bitsandbytes
+    assert doc["entries"][0]["train_refuses"] == "sharded 8-bit AdamW"  # rank 1: bitsandbytes under FSDP
     rank = doc["out"]["rank"]
-    assert rank > 1 and doc["notes"] == [
-        f"wrote rank {rank}: `trainplan train` does not run 8-bit AdamW (bitsandbytes) yet"
-    ]
+    assert rank > 1 and doc["notes"] == [f"wrote rank {rank}: `trainplan train` does not run sharded 8-bit AdamW yet"]
     cfg = C.load(out)
     assert cfg.optim.name == "adamw" and cfg.mode != "qlora" and (cfg.parallel.tp, cfg.parallel.pp) == (1, 1)
     assert cfg.parallel.strategy in ("ddp", "zero1", "zero3")
@@ -445,5 +443,5 @@ def test_qlora_on_cuda_is_runnable_and_on_the_cpu_is_not():
     """advise asks train's own rule (resolve.require_runnable): QLoRA runs on CUDA GPUs."""
     s, order = advise("Llama-3.1-8B", "--gpus", "RTX4090", "--mode", "qlora", "--top", "0")
     qlora = [o for o in order if o.rung.mode == "qlora"]
-    assert qlora and all(rank.train_blocker(s, o) in ("", "8-bit AdamW (bitsandbytes)") for o in qlora)
+    assert qlora and all(rank.train_blocker(s, o) in ("", "sharded 8-bit AdamW") for o in qlora)
     assert any(rank.train_blocker(s, o) == "" for o in qlora)

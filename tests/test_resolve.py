@@ -17,7 +17,12 @@ def job(**settings):
         ({"parallel.tp": 2, "hardware.gpus": "2xH100-80GB"}, True, "parallel.tp", "tensor/pipeline parallelism"),
         ({"parallel.pp": 2, "hardware.gpus": "2xH100-80GB"}, True, "parallel.tp", "tensor/pipeline parallelism"),
         ({"parallel.strategy": "zero2", "hardware.gpus": "2xH100-80GB"}, True, "parallel.strategy", "ZeRO-2"),
-        ({"optim.name": "adamw-8bit", "hardware.gpus": "H100-80GB"}, True, "optim.name", "8-bit AdamW (bitsandbytes)"),
+        (
+            {"optim.name": "adamw-8bit", "parallel.strategy": "zero3", "hardware.gpus": "2xH100-80GB"},
+            True,
+            "parallel.strategy",
+            "sharded 8-bit AdamW",
+        ),
         ({"mode": "qlora", "hardware.gpus": "H100-80GB"}, False, "run.mode", "QLoRA without CUDA"),
         (
             {"mode": "qlora", "parallel.strategy": "zero3", "hardware.gpus": "2xH100-80GB"},
@@ -41,6 +46,8 @@ def test_what_the_engine_runs_passes():
         {"parallel.strategy": "zero2", "hardware.gpus": "H100-80GB"},  # one device: no ZeRO-2 at all
         {"parallel.strategy": "zero3", "mode": "lora", "hardware.gpus": "4xH100-80GB"},
         {"optim.name": "adamw-8bit", "mode": "inference", "hardware.gpus": "H100-80GB"},  # no optimizer
+        {"optim.name": "adamw-8bit", "hardware.gpus": "H100-80GB"},  # bitsandbytes' AdamW8bit
+        {"optim.name": "adamw-8bit", "parallel.strategy": "ddp", "hardware.gpus": "2xH100-80GB"},
     ):
         cfg, dims = job(**settings)
         require_runnable(cfg, dims, max_positions=131072, cuda=True)

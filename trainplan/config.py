@@ -132,7 +132,7 @@ class TrainConfig:
     seed: int = 0  # model init, data order and dropout
     warmup_steps: int = 0  # linear warm-up from 0 to optim.lr
     schedule: str = "constant"  # constant | cosine (after warm-up)
-    max_grad_norm: float = 1.0  # gradient clipping by global norm
+    max_grad_norm: float = 1.0  # gradient clipping by global norm; 0: no clipping
     eval_every: int = 0  # 0: evaluate before and after only
     eval_batches: int = 8  # micro-batches of held-out data per evaluation; 0: the whole split
     output_dir: str = ""  # "": a directory of its own per run, runs/<date>-<time>-<id> (run/setup.py)
@@ -185,12 +185,12 @@ class TrainConfig:
         if (
             isinstance(self.max_grad_norm, bool)
             or not isinstance(self.max_grad_norm, int | float)
-            or self.max_grad_norm <= 0
+            or self.max_grad_norm < 0
         ):
             raise ConfigError(
                 "train.max_grad_norm",
-                f"must be positive (got {self.max_grad_norm!r})",
-                "set train.max_grad_norm, e.g. 1.0",
+                f"must be >= 0 (got {self.max_grad_norm!r})",
+                "set train.max_grad_norm, e.g. 1.0 (0: no clipping)",
             )
 
 
@@ -287,10 +287,19 @@ class OptimConfig:
     implementation: str = "auto"  # auto: foreach on GPUs, for-loop on CPU (torch's own default)
     lr: float = 1e-4  # peak learning rate
     weight_decay: float = 0.0  # decoupled weight decay (AdamW)
+    # torchtune's optimizer_in_bwd: one optimizer per parameter, stepped as its gradient is formed in
+    # backward, which frees the gradient at once (no clipping, no accumulation, one process)
+    step_in_backward: bool = False
 
     def __post_init__(self) -> None:
         _choice("optim", "name", self.name, OPTIMIZERS)
         _choice("optim", "implementation", self.implementation, OPTIM_IMPLS)
+        if not isinstance(self.step_in_backward, bool):
+            raise ConfigError(
+                "optim.step_in_backward",
+                f"must be true or false (got {self.step_in_backward!r})",
+                "write true or false",
+            )
         if isinstance(self.lr, bool) or not isinstance(self.lr, int | float) or self.lr <= 0:
             raise ConfigError("optim.lr", f"must be positive (got {self.lr!r})", "set optim.lr, e.g. 1e-4")
         wd = self.weight_decay

@@ -130,7 +130,61 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
     spec.attention(cfg.memory.attention)  # refuses sdpa where transformers has none
     dims = build_parallel_dims(cfg.parallel, len(devices), spec)
     batch = resolve_batch(cfg.batch, dims.dp)
+    if cfg.optim.step_in_backward and cfg.mode != "inference":
+        _require_step_in_backward(cfg, dims, batch, prec)
     return Resolved(cfg=cfg, spec=spec, precision=prec, devices=devices, dims=dims, batch=batch)
+
+
+def _require_step_in_backward(cfg: C.RunConfig, dims: ParallelDims, batch: ResolvedBatch, prec: Precision) -> None:
+    """optim.step_in_backward updates each parameter inside backward, as soon as its gradient is
+    formed: whatever needs every gradient of the step before the first update cannot run with it."""
+    refusals = (
+        (
+            batch.grad_accum_steps > 1,
+            "batch.grad_accum_steps",
+            f"is {batch.grad_accum_steps}, but optim.step_in_backward updates the weights in every backward, "
+            "so gradients cannot accumulate over micro-batches",
+            "set batch.global_batch_size = batch.micro_batch_size x data-parallel degree (accumulation 1), "
+            "or optim.step_in_backward = false",
+        ),
+        (
+            cfg.train.max_grad_norm > 0,
+            "train.max_grad_norm",
+            f"is {cfg.train.max_grad_norm:g}: clipping by the global norm needs every gradient before the first "
+            "update, but optim.step_in_backward updates each parameter as its gradient is formed",
+            "set train.max_grad_norm = 0 (no clipping), or optim.step_in_backward = false",
+        ),
+        (
+            dims.world_size > 1,
+            "optim.step_in_backward",
+            f"runs in one process only, not on {dims.world_size} devices: the hook fires on the local gradient, "
+            "before DDP's all-reduce (or FSDP's reduce-scatter) has averaged it across ranks",
+            "plan one device, or set optim.step_in_backward = false",
+        ),
+        (
+            prec.loss_scaling,
+            "run.precision",
+            f"{cfg.precision} scales the loss, and the GradScaler must see every gradient for inf before any "
+            "update, which optim.step_in_backward applies in backward",
+            'use precision = "amp-bf16" or "fp32", or optim.step_in_backward = false',
+        ),
+        (
+            cfg.guard.enabled,
+            "guard.enabled",
+            "the stability guard decides whether to apply a step after its gradients are complete, but "
+            "optim.step_in_backward has applied each update by then",
+            "set guard.enabled = false, or optim.step_in_backward = false",
+        ),
+        (
+            cfg.parallel.offload_optimizer,
+            "parallel.offload_optimizer",
+            "offloaded states are stepped on the host after backward, not inside it",
+            "set parallel.offload_optimizer = false, or optim.step_in_backward = false",
+        ),
+    )
+    for refused, field, problem, fix in refusals:
+        if refused:
+            raise ConfigError(field, problem, fix)
 
 
 class NotRunnable(ConfigError):
@@ -164,12 +218,7 @@ def require_runnable(cfg: C.RunConfig, dims: ParallelDims, *, max_positions: int
             what="ZeRO-2",
         )
     if cfg.optim.name == "adamw-8bit" and cfg.mode != "inference":
-        raise NotRunnable(
-            "optim.name",
-            "adamw-8bit needs bitsandbytes' 8-bit optimizer, which this engine does not run",
-            "use optim.name = adamw",
-            what="8-bit AdamW (bitsandbytes)",
-        )
+        _require_bitsandbytes_optimizer(dims)
     if cfg.mode == "qlora" and not cuda:
         raise NotRunnable(
             "run.mode",
@@ -190,4 +239,26 @@ def require_runnable(cfg: C.RunConfig, dims: ParallelDims, *, max_positions: int
             f"{cfg.batch.seq_len} exceeds the model's context of {max_positions}",
             f"use batch.seq_len <= {max_positions}",
             what=f"a sequence beyond the model's {max_positions} positions",
+        )
+
+
+def _require_bitsandbytes_optimizer(dims: ParallelDims) -> None:
+    """adamw-8bit runs bitsandbytes' AdamW8bit (its CUDA kernels, or its CPU backend) on plain
+    tensors, in one process or under DDP."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise NotRunnable(
+            "optim.name",
+            "adamw-8bit runs bitsandbytes' AdamW8bit, and bitsandbytes is not installed",
+            "pip install -r requirements.txt (it pins bitsandbytes), or use optim.name = adamw",
+            what="8-bit AdamW without bitsandbytes",
+        )
+    if dims.strategy not in ("single", "ddp"):
+        raise NotRunnable(
+            "parallel.strategy",
+            f"adamw-8bit with {dims.strategy} is not run by this engine: bitsandbytes' kernels take whole plain "
+            "tensors, not FSDP2's DTensor shards or ZeroRedundancyOptimizer's partitions",
+            "use parallel.strategy = ddp, or optim.name = adamw",
+            what="sharded 8-bit AdamW",
         )

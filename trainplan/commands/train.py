@@ -82,7 +82,9 @@ def execute(cfg, registry_arg: str | None = None, *, quiet: bool = False):
         cfg, note = choose_checkpointing(cfg)
         if os.environ.get("RANK", "0") == "0":
             print(f"trainplan train: {note}", file=sys.stderr)
-    rec, env = loop.run(cfg, quiet=quiet)
+    from trainplan.plan.bill import preflight_bill
+
+    rec, env = loop.run(cfg, quiet=quiet, bill=preflight_bill)  # each rank's preflight checks the plan's bill
     if env.is_main:  # the record first: the registry never lists a run whose record was not written
         out = Path(rec.config["train"]["output_dir"])
         record.write(rec, out)

@@ -122,15 +122,16 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     }
     moments = backward_moments(ctx, phases["backward"], adapter, grads, acts, comm)
     phases["backward"] = max(moments, key=lambda c: sum(c.values()))
-    phases["optimizer"] = {
-        "weights": weights.nbytes,
-        "adapter": adapter.weights + adapter.states + adapter.grads,
-        "gradients": grads.nbytes,
-        "optimizer": opt.states,
-        "optimizer_temp": opt.temp,
-        "activations": 2 * ctx.tokens * 8,  # the batch (ids, labels) is still referenced
-        "buffers": buffers,
-    }
+    if not T.in_backward(ctx):  # optim.step_in_backward: the updates ran in backward (plan/backward.py)
+        phases["optimizer"] = {
+            "weights": weights.nbytes,
+            "adapter": adapter.weights + adapter.states + adapter.grads,
+            "gradients": grads.nbytes,
+            "optimizer": opt.states,
+            "optimizer_temp": opt.temp,
+            "activations": 2 * ctx.tokens * 8,  # the batch (ids, labels) is still referenced
+            "buffers": buffers,
+        }
     phases["evaluate"], explain["evaluate"] = lifecycle.evaluate(
         ctx, weights, copies, adapter, grads, opt, buffers, comm
     )

@@ -14,7 +14,9 @@ from trainplan.plan.terms import (
     RankContext,
     autocast_cast_numel,
     casts_kept_by_checkpointing,
+    in_backward,
     moe_backward,
+    optimizer,
 )
 
 # ---- the backward peak -----------------------------------------------------------------------
@@ -43,7 +45,47 @@ def backward_moments(
         candidates += [top_layer, _final_norm_backward(ctx, start, top_layer, adapter, grads, acts)]
     if ctx.ck:
         candidates.append(_recompute(ctx, start, end, adapter, grads, acts))
+    if in_backward(ctx):
+        candidates = _step_in_backward(ctx, candidates, start, end, grads, acts)
     return candidates
+
+
+def _step_in_backward(
+    ctx: RankContext,
+    candidates: list[dict[str, int]],
+    start: dict[str, int],
+    end: dict[str, int],
+    grads: GradTerm,
+    acts: ActTerm,
+) -> list[dict[str, int]]:
+    """optim.step_in_backward: no moment holds more than one tensor's gradient (`grads` holds the
+    largest's), and each update's temporaries (a single tensor's: linear in its size) exist beside
+    its gradient. The largest tensor's update is counted at backward's end: for the embedding, the
+    last gradient formed, after every layer has released its saved tensors. An untied head's update
+    comes first, while every layer's saved tensors still exist; a tied one's waits for the embedding's."""
+    tied_head = grads.head if ctx.spec.tie_word_embeddings else 0
+    for moment in candidates:
+        moment["gradients"] = max(0, min(moment["gradients"], grads.nbytes))
+        # a tied head's gradient is no parameter's .grad until the embedding's backward adds to it: it
+        # waits in autograd's input buffer, where the gradients' update has not freed it
+        waiting = min(moment["gradients"], tied_head)
+        moment["gradients"] -= waiting
+        moment["activations"] += waiting
+    temp = optimizer(ctx).temp
+    last = dict(end)
+    last["gradients"], last["optimizer_temp"] = grads.nbytes, temp
+    embedding = ctx.tensors.select("embedding")
+    if ctx.full and ctx.first and embedding and _tp_numel(embedding[0], ctx.tp) == ctx.tensors.largest("held", ctx.tp):
+        last["activations"], last["weight_copies"] = ctx.in_flight * acts.step_inputs, 0
+    steps = [last]
+    if ctx.full and ctx.last and ctx.head is not None and not ctx.spec.tie_word_embeddings and grads.nbytes:
+        head = dict(start)
+        head["gradients"] = _tp_numel(ctx.head, ctx.tp) * ctx.prec.grad_bytes
+        head["optimizer_temp"] = temp * head["gradients"] // grads.nbytes
+        steps.append(head)
+    # first: the embedding's update holds as much as its backward did (its gradient and two
+    # temporaries for the head's, the embedding's and their sum), and a tie goes to the first listed
+    return [candidates[0], *steps, *candidates[1:]]
 
 
 def _recompute(

@@ -16,6 +16,7 @@ NF4_CONSTANTS_BYTES = 1 / 64 + 4 / (64 * 256)
 ZERO2_BUCKET_BYTES = 25 * MiB  # torch DDP's default bucket_cap_mb
 BNB_8BIT_MIN_NUMEL = 4096  # bitsandbytes keeps 32-bit states for smaller tensors (min_8bit_size)
 BNB_BLOCK = 256  # blockwise quantization of optimizer states, one fp32 absmax per block
+BNB_QMAP_BYTES = 2 * 256 * 4  # the signed and unsigned dynamic maps (256 fp32 codes each) of one optimizer
 
 
 # ---- per-rank tensors ----------------------------------------------------------------------
@@ -201,15 +202,20 @@ def zero1_partition(shapes: list[tuple[int, ...]], world: int) -> list[list[tupl
     return parts
 
 
-def optimizer_state_bytes(name: str, shapes: list[tuple[int, ...]], state_bytes: int, cpu: bool) -> int:
+def optimizer_state_bytes(
+    name: str, shapes: list[tuple[int, ...]], state_bytes: int, cpu: bool, *, in_backward: bool = False
+) -> int:
     """Optimizer state for the trainable tensors `shapes`.
 
     AdamW: exp_avg + exp_avg_sq in the param dtype (Loshchilov & Hutter 2019; torch.optim.AdamW),
     plus a `step` scalar per tensor, kept on the CPU (fp32) unless capturable/fused.
-    8-bit AdamW (bitsandbytes): two uint8 states + an fp32 absmax per 256-element block;
-    tensors under 4096 elements keep 32-bit states. SGD with momentum: one buffer.
-    Adafactor (torch.optim.Adafactor): factored second moment, row + column vectors for
-    matrices, a full vector otherwise; no first moment.
+    8-bit AdamW (bitsandbytes 0.50 AdamW8bit, optim/optimizer.py `Optimizer2State.init_state`):
+    two uint8 states + two fp32 absmax per 256-element block; tensors under 4096 elements
+    (min_8bit_size) keep two fp32 states whatever the param dtype; `step` is a Python int; the two
+    256-code quantization maps are shared by every tensor of one optimizer, so once per
+    optimizer with an 8-bit tensor (`in_backward`: one optimizer per tensor). SGD with momentum:
+    one buffer. Adafactor (torch.optim.Adafactor): factored second moment, row + column vectors
+    for matrices, a full vector otherwise; no first moment.
     """
     steps = 4 * len(shapes) if cpu else 0
     numel = sum(_numel(s) for s in shapes)
@@ -220,11 +226,15 @@ def optimizer_state_bytes(name: str, shapes: list[tuple[int, ...]], state_bytes:
     if name == "sgd-momentum":
         return numel * state_bytes
     if name == "adamw-8bit":
-        total = 0
+        total, quantized = 0, 0
         for s in shapes:
             n = _numel(s)
-            total += 2 * n * 4 if n < BNB_8BIT_MIN_NUMEL else 2 * n + 2 * 4 * -(-n // BNB_BLOCK)
-        return total + steps
+            if n < BNB_8BIT_MIN_NUMEL:
+                total += 2 * n * 4
+            else:
+                total += 2 * n + 2 * 4 * -(-n // BNB_BLOCK)
+                quantized += 1
+        return total + BNB_QMAP_BYTES * (quantized if in_backward else min(quantized, 1))
     if name == "adafactor":
         total = 0
         for s in shapes:
@@ -236,14 +246,18 @@ def optimizer_state_bytes(name: str, shapes: list[tuple[int, ...]], state_bytes:
     raise AssertionError(name)
 
 
-def optimizer_temp_bytes(name: str, impl: str, shapes: list[tuple[int, ...]], state_bytes: int) -> int:
+def optimizer_temp_bytes(
+    name: str, impl: str, shapes: list[tuple[int, ...]], state_bytes: int, *, cpu: bool = False
+) -> int:
     """Temporaries alive inside optimizer.step().
 
     torch's foreach AdamW (the default on CUDA) computes sqrt(exp_avg_sq) for every tensor at
     once: one full-size temporary list (torch/optim/adamw.py, `_multi_tensor_adam`). The
     single-tensor loop (the default on CPU) holds sqrt() and its division for the largest
-    tensor. Fused kernels need none.
+    tensor. Fused kernels need none. 8-bit AdamW ignores `impl`: see `bnb_cpu_temp_bytes`.
     """
+    if name == "adamw-8bit":
+        return max((bnb_cpu_temp_bytes(_numel(s), state_bytes) for s in shapes), default=0) if cpu else 0
     if not shapes or name == "sgd" or impl == "fused":
         return 0
     if impl == "foreach":
@@ -254,3 +268,14 @@ def optimizer_temp_bytes(name: str, impl: str, shapes: list[tuple[int, ...]], st
     # previous tensor's denom is still bound to the loop variable.
     sizes = [_numel(s) * state_bytes for s in shapes]
     return max(2 * cur + prev for prev, cur in zip([0, *sizes[:-1]], sizes, strict=True))
+
+
+def bnb_cpu_temp_bytes(n: int, param_bytes: int) -> int:
+    """bitsandbytes' AdamW8bit step on one tensor of n elements. On CUDA one fused kernel updates
+    the states in place: nothing. Its CPU backend (backends/cpu/ops.py, 0.50) dequantizes both
+    states to fp32, takes the gradient as fp32 (`g.float() * gnorm_scale`, a new tensor) and forms
+    `(state2.sqrt() / c).add_(eps)`: five fp32 tensors of n at once; a 16-bit parameter adds its
+    fp32 copy. Tensors under min_8bit_size take the 32-bit path: the gradient copy, then
+    `state2.sqrt() + eps` and the quotient, three."""
+    upcast = 4 * n if param_bytes != 4 else 0
+    return (5 if n >= BNB_8BIT_MIN_NUMEL else 3) * 4 * n + upcast

@@ -342,11 +342,13 @@ def lora_numel(ctx: RankContext, *, largest: bool = False) -> int:
 
 def adapter(ctx: RankContext) -> AdapterTerm:
     n_adapter = lora_numel(ctx)
-    name = ctx.cfg.optim.name
+    name, in_bwd = ctx.cfg.optim.name, in_backward(ctx)
     states = 0
     if ctx.lora:
         states = _opt_bytes(
-            ctx, ("states", name, 4, ctx.cpu), lambda: optimizer_state_bytes(name, list(ctx.opt_shapes), 4, ctx.cpu)
+            ctx,
+            ("states", name, 4, ctx.cpu, in_bwd),
+            lambda: optimizer_state_bytes(name, list(ctx.opt_shapes), 4, ctx.cpu, in_backward=in_bwd),
         )
         states //= ctx.shard_o
     note = None
@@ -357,7 +359,8 @@ def adapter(ctx: RankContext) -> AdapterTerm:
         )
     return AdapterTerm(
         weights=-(-n_adapter // ctx.shard_w) * 4,
-        grads=-(-n_adapter // ctx.shard_g) * 4,
+        # step in backward: one adapter tensor's gradient at a time, the largest
+        grads=lora_numel(ctx, largest=True) * 4 if in_bwd else -(-n_adapter // ctx.shard_g) * 4,
         states=states,
         copy=n_adapter * ctx.cb if ctx.prec.autocast else 0,
         note=note,
@@ -372,8 +375,20 @@ class GradTerm(NamedTuple):
     note: str | None
 
 
+def in_backward(ctx: RankContext) -> bool:
+    """optim.step_in_backward: each parameter is updated by its own optimizer as soon as its gradient
+    is formed, and the gradient freed (resolve() allows it on one device without accumulation)."""
+    return ctx.cfg.optim.step_in_backward and ctx.r.training
+
+
 def gradients(ctx: RankContext) -> GradTerm:
     tp, shard_g, grad_bytes = ctx.tp, ctx.shard_g, ctx.prec.grad_bytes
+    if in_backward(ctx):
+        # one gradient at a time, freed by its update: at most the largest tensor's
+        largest = ctx.tensors.largest("held", tp) * grad_bytes if ctx.full else 0
+        head = min(largest, ctx.head.numel * grad_bytes) if (ctx.head and ctx.last) else 0
+        note = f"{grad_bytes} B per param of one tensor at a time, the largest: each is freed by its update in backward"
+        return GradTerm(nbytes=largest, live_fwd=0, head=head, first_layer=0, note=note if ctx.full else None)
     grads = ctx.tensors.numel("held", tp, shard_g) * grad_bytes if ctx.full else 0
     head = (_sharded_numel(ctx.head, tp, shard_g) * grad_bytes) if (ctx.head and ctx.last) else 0
     first_layer = 0
@@ -406,23 +421,29 @@ class OptTerm(NamedTuple):
 def optimizer(ctx: RankContext) -> OptTerm:
     """The base weights' optimizer states (full fine-tuning; the adapters' are in `adapter`) and
     the step's temporaries (the adapters' under LoRA)."""
-    name, prec, shard_o = ctx.cfg.optim.name, ctx.prec, ctx.shard_o
+    name, prec, shard_o, in_bwd = ctx.cfg.optim.name, ctx.prec, ctx.shard_o, in_backward(ctx)
     shapes = ctx.opt_shapes
     states = 0
     if ctx.full:
         states = _opt_bytes(
             ctx,
-            ("states", name, prec.state_bytes, ctx.cpu),
-            lambda: optimizer_state_bytes(name, list(shapes), prec.state_bytes, ctx.cpu),
+            ("states", name, prec.state_bytes, ctx.cpu, in_bwd),
+            lambda: optimizer_state_bytes(name, list(shapes), prec.state_bytes, ctx.cpu, in_backward=in_bwd),
         )
         states //= shard_o
     impl = ctx.cfg.optim.implementation
     if impl == "auto":
         impl = "for-loop" if ctx.cpu else "foreach"
     state_bytes = prec.state_bytes if ctx.full else 4
-    temp = _opt_bytes(
-        ctx, ("temp", name, impl, state_bytes), lambda: optimizer_temp_bytes(name, impl, list(shapes), state_bytes)
-    )
+
+    def temp_bytes() -> int:
+        if in_bwd:  # one optimizer per tensor, stepped inside backward: the largest single step's
+            return max(
+                (optimizer_temp_bytes(name, impl, [s], state_bytes, cpu=ctx.cpu) for s in set(shapes)), default=0
+            )
+        return optimizer_temp_bytes(name, impl, list(shapes), state_bytes, cpu=ctx.cpu)
+
+    temp = _opt_bytes(ctx, ("temp", name, impl, state_bytes, ctx.cpu, in_bwd), temp_bytes)
     temp //= shard_o
     note = None
     if ctx.full:
@@ -433,7 +454,9 @@ def optimizer(ctx: RankContext) -> OptTerm:
                 f" of the {len(shapes)} tensors ({mine / 1e6:,.1f}M params) ZeroRedundancyOptimizer gives "
                 f"rank {ctx.dp_i}: largest first, to the least-loaded rank"
             )
-    return OptTerm(states=states, temp=temp, note=note, temp_note=f"{impl} {name} step temporaries")
+    impl_text = ("CUDA kernel" if not ctx.cpu else "CPU backend") if name == "adamw-8bit" else impl
+    temp_note = f"{impl_text} {name} step temporaries" + (", of the largest tensor, inside backward" if in_bwd else "")
+    return OptTerm(states=states, temp=temp, note=note, temp_note=temp_note)
 
 
 def _opt_bytes(ctx: RankContext, key: tuple, compute) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -67,6 +69,27 @@ def is_peer_timeout(e: BaseException) -> bool:
     """A collective gave up waiting for a peer (gloo and NCCL word it differently)."""
     text = str(e).lower()
     return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
+# how gloo and NCCL say that the other end of a connection is gone (its process died, its node was lost)
+LOST_CONNECTION = ("connection reset by peer", "connection closed by peer", "broken pipe", "remote process exited")
+
+
+def lost_peer(e: BaseException, env: DistEnv) -> str | None:
+    """One line naming the peer a collective lost (gloo gives its address), or None when e is not that."""
+    text = str(e)
+    if env.world == 1 or not isinstance(e, RuntimeError) or not any(k in text.lower() for k in LOST_CONNECTION):
+        return None
+    where = re.search(r"\[([0-9A-Fa-f.:]+)\]:(\d+)", text)
+    peer = f"the peer at {where[1]}:{where[2]}" if where else "a peer"
+    if env.world == 2:
+        peer = f"rank {1 - env.rank} ({peer})"
+    reason = next(k for k in LOST_CONNECTION if k in text.lower())
+    return (
+        f"rank {env.rank} on node {socket.gethostname()} lost {peer}: {reason}; that rank died or its node was lost "
+        "(its own log says why), so every rank stops. Relaunch every node with checkpoint.resume=auto to continue "
+        "from the last valid checkpoint"
+    )
 
 
 def finish(env: DistEnv, code: int) -> int:

@@ -20,7 +20,7 @@ import torch
 
 from trainplan import config as C
 from trainplan.errors import TrainplanError
-from trainplan.run import contract, dist, evaluate, measure, record, result, step
+from trainplan.run import contract, dist, evaluate, measure, preflight, record, result, step
 from trainplan.run.checkpoint.manager import CheckpointManager
 from trainplan.run.guard import StepGuard
 from trainplan.run.progress import Progress
@@ -29,12 +29,13 @@ from trainplan.run.trackers import Trackers, require
 
 
 def run(
-    cfg: C.RunConfig, *, quiet: bool = False, progress: Progress | None = None
+    cfg: C.RunConfig, *, quiet: bool = False, progress: Progress | None = None, bill: preflight.BillFn | None = None
 ) -> tuple[record.RunRecord, dist.DistEnv]:
     """Run the job described by cfg; returns the run record and the process group's environment.
 
     quiet: no progress at all. progress: the caller's reporter (accept's, for its runs); by
-    default the run has its own, at train.log_every / log_every_s, on the main rank."""
+    default the run has its own, at train.log_every / log_every_s, on the main rank. bill: the
+    plan's per-rank needs of a resolved config, checked by every rank's preflight (setup.prepare)."""
     env = dist.init(cfg.parallel.timeout_s)
     require(cfg.train.report_to)  # a logger whose package is missing is refused before anything is created
     own = progress is None or quiet or not env.is_main
@@ -44,7 +45,7 @@ def run(
     job, trackers, status = None, Trackers(), "error"
     try:
         with Interrupts() as interrupts:
-            job = prepare(cfg, env, progress)
+            job = prepare(cfg, env, progress, bill)
             progress.commit()  # past every refusal of the input: what was held back is shown
             trackers = Trackers.open(job.cfg, main=env.is_main)
             trainer = Trainer(job, progress=progress, trackers=trackers)
@@ -57,6 +58,9 @@ def run(
         status = "interrupted" if rec.interrupted else "ok"
         return rec, env
     except RuntimeError as e:
+        lost = dist.lost_peer(e, env)
+        if lost:
+            raise TrainplanError(lost) from None
         if env.world > 1 and dist.is_peer_timeout(e):
             raise TrainplanError(
                 f"parallel.timeout_s: rank {env.rank} waited {cfg.parallel.timeout_s} s for a peer rank that did not "

@@ -13,7 +13,7 @@ import torch
 from trainplan import config as C
 from trainplan.files import DirLock, require_writable
 from trainplan.resolve import Resolved, require_runnable, resolve
-from trainplan.run import data, dist, guard, measure, step, weights
+from trainplan.run import data, dist, guard, measure, preflight, step, weights
 from trainplan.run.checkpoint.manager import checkpoint_root, refuse_foreign
 from trainplan.run.progress import Progress
 from trainplan.run.record import device_label
@@ -48,10 +48,13 @@ class Job:
         return self.cfg.mode != "inference"
 
 
-def prepare(cfg: C.RunConfig, env: dist.DistEnv, progress: Progress | None = None) -> Job:
+def prepare(
+    cfg: C.RunConfig, env: dist.DistEnv, progress: Progress | None = None, bill: preflight.BillFn | None = None
+) -> Job:
     """Resolve the config for the devices actually present, refuse what the engine cannot run,
     then build data and model (the stages load data, tokenize and load weights, reported to
-    `progress`)."""
+    `progress`). bill: the plan's per-rank needs for the resolved config, which every rank's
+    preflight checks before the model is built (run/preflight.py)."""
     progress = progress or Progress.off()
     if cfg.checkpoint.resume == "auto" and not (cfg.train.output_dir or cfg.checkpoint.dir):
         raise C.ConfigError(
@@ -80,6 +83,9 @@ def prepare(cfg: C.RunConfig, env: dist.DistEnv, progress: Progress | None = Non
     locks = _lock(cfg, env)
     try:
         refuse_foreign(cfg)
+        weights.is_pretrained(cfg)  # an architecture without weights is the user's to fix before any resource check
+        with progress.stage("preflight") as stage:  # every rank, before any builds its model
+            stage.result = preflight.check(env, checkpoint_root(cfg) if r.training else None, bill and bill(cfg))
         return _build(cfg, env, r, documents, locks, progress)
     except BaseException:
         for lock in locks:
@@ -214,7 +220,14 @@ def train_state(job: Job, model: torch.nn.Module) -> TrainState:
     o = cfg.optim
     zero1 = job.resolved.dims.partitions_optimizer_by_tensor  # ZeroRedundancyOptimizer
     optimizer = step.build_optimizer(
-        model, o.name, o.implementation, o.lr, o.weight_decay, env.device.type, zero1=zero1
+        model,
+        o.name,
+        o.implementation,
+        o.lr,
+        o.weight_decay,
+        env.device.type,
+        zero1=zero1,
+        in_backward=o.step_in_backward,
     )
     scaler = torch.amp.GradScaler(env.device.type) if job.resolved.precision.loss_scaling else None
     return TrainState(

@@ -97,7 +97,15 @@ def train_step(
     GradScaler, a step the scaler skipped for inf gradients does not advance the scheduler either.
     """
     tokens = token_count if token_count is not None else sum(target_tokens(mb) for mb in micro_batches)
+    in_backward = isinstance(update.optimizer, InBackward)
+    if in_backward:
+        update.optimizer.begin()
     total = _accumulate(model, micro_batches, settings, update.scaler, tokens, hooks)
+    if in_backward:  # every parameter was updated in backward, and its gradient freed: no optimizer phase
+        norm = update.optimizer.grad_norm()
+        applied = _apply(update, hooks.decide, total, norm)
+        hooks.on_phase("end")
+        return StepResult(loss=total, grad_norm=norm, tokens=tokens, applied=applied)
     hooks.on_phase("optimizer")
     params = [p for p in model.parameters() if p.grad is not None]
     if "nan-grad" in hooks.inject:  # on this rank's first non-empty gradient (FSDP shards can be empty)
@@ -167,6 +175,71 @@ def eval_forward(
     return loss
 
 
+class InBackward(torch.optim.Optimizer):
+    """torchtune's optimizer in backward: one optimizer per parameter, stepped by a post-accumulate-grad
+    hook as soon as the parameter's gradient is formed, which then frees it, so the step's gradients
+    never exist at once. To the run it is one optimizer: `param_groups` are the per-parameter
+    optimizers' own groups (an LR scheduler sets each, the same schedule), `state` and
+    `state_dict()` those of a single optimizer over the same parameters, `step()` does nothing
+    (the updates ran in backward). No clipping and no accumulation: resolve() refuses both."""
+
+    def __init__(self, params: list[nn.Parameter], make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]):
+        self.inner = [make([p]) for p in params]
+        super().__init__(params, {})
+        self.param_groups = [o.param_groups[0] for o in self.inner]
+        self._norms: dict[int, torch.Tensor] = {}
+        self._bind_state()
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
+
+    def _hook(self, i: int):
+        inner = self.inner[i]
+
+        def step_now(p: nn.Parameter) -> None:
+            # the norm clip_grad_norm_ would take of this gradient, for the step's global norm
+            self._norms[i] = torch.linalg.vector_norm(p.grad.detach(), 2.0)
+            inner.step()
+            p.grad = None
+
+        return step_now
+
+    def _bind_state(self) -> None:
+        """`state` as one optimizer has it: each inner optimizer's (live) entry for its parameter."""
+        self.state = {o.param_groups[0]["params"][0]: o.state[o.param_groups[0]["params"][0]] for o in self.inner}
+
+    def begin(self) -> None:
+        self._norms.clear()
+
+    def grad_norm(self) -> torch.Tensor:
+        """The step's global gradient norm, as clip_grad_norm_ computes it: the norm of the per-tensor norms."""
+        norms = [self._norms[i] for i in sorted(self._norms)]
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros(())
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.inner:
+            o.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        """The layout of one optimizer over the same parameters: state by parameter index, one group each."""
+        parts = [o.state_dict() for o in self.inner]
+        state = {i: part["state"][0] for i, part in enumerate(parts) if 0 in part["state"]}
+        groups = [{**part["param_groups"][0], "params": [i]} for i, part in enumerate(parts)]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.inner):
+            raise ValueError(f"the state has {len(groups)} parameter groups, this optimizer {len(self.inner)}")
+        for i, (o, group) in enumerate(zip(self.inner, groups, strict=True)):
+            state = {0: state_dict["state"][i]} if i in state_dict["state"] else {}
+            o.load_state_dict({"state": state, "param_groups": [{**group, "params": [0]}]})
+        self.param_groups = [o.param_groups[0] for o in self.inner]
+        self._bind_state()
+
+
 def build_optimizer(
     model: nn.Module,
     name: str,
@@ -176,8 +249,10 @@ def build_optimizer(
     device_type: str,
     *,
     zero1: bool = False,
+    in_backward: bool = False,
 ) -> torch.optim.Optimizer:
-    """The optimizer the plan assumed: `impl` auto means torch's own default for the device."""
+    """The optimizer the plan assumed: `impl` auto means torch's own default for the device.
+    in_backward: one per parameter, stepped inside backward (InBackward)."""
     from trainplan.errors import TrainplanError
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -200,12 +275,21 @@ def build_optimizer(
     elif name == "adafactor":
         cls = torch.optim.Adafactor
         kwargs = {"lr": lr, "weight_decay": weight_decay, **{k: v for k, v in flags.items() if k == "foreach"}}
+    elif name == "adamw-8bit":
+        # bitsandbytes' blockwise 8-bit AdamW: its CUDA kernels, or its CPU backend (no implementation
+        # choice: one kernel per tensor). Not the paged variant: its unified-memory states are
+        # outside the device's allocator, so neither the plan nor the allocator could count them.
+        import bitsandbytes as bnb
+
+        cls, kwargs = bnb.optim.AdamW8bit, {"lr": lr, "weight_decay": weight_decay}
     else:
         cls = None
+    if cls is not None and in_backward:
+        return InBackward(params, lambda group: cls(group, **kwargs))
     if cls is not None and zero1:  # ZeRO-1: each rank keeps the states of its share of the parameters
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
     if cls is not None:
         return cls(params, **kwargs)
-    raise TrainplanError(f"optim.name: {name} needs bitsandbytes on CUDA; use adamw on this device")
+    raise TrainplanError(f"optim.name: {name} is not an optimizer this engine builds; use adamw")

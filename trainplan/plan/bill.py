@@ -1,0 +1,51 @@
+"""The per-rank bill that a run's preflight checks (run/preflight.py), taken from the analytic plan of
+the config the run resolved. The engine cannot import the planner, so `trainplan train` hands this in."""
+
+from __future__ import annotations
+
+from trainplan import config as C
+from trainplan.plan.analytic import plan
+from trainplan.plan.ledger import DeviceLedger
+from trainplan.resolve import resolve
+from trainplan.run.preflight import Bill
+from trainplan.spec.devices import MiB
+
+
+def preflight_bill(cfg: C.RunConfig) -> Bill:
+    """What each rank needs free when the preflight runs (after data load, before the model is built).
+
+    Device, per rank: the plan's total (peak allocated + allocator reserve + runtime), plus its error
+    margin and hardware.safety_margin of the device, less the runtime that is already resident when the
+    check measures (the CUDA context, hardware.cuda_context_mib; on the CPU, hardware.cpu_runtime_mib).
+
+    Host, per rank (a node's ranks add up):
+    - a CPU rank: its device figure above (host memory is its device);
+    - a GPU rank: the larger of what a checkpoint's resume reads into host memory and what saving the
+      result gathers there, plus the optimizer state the plan offloads to the host. A replicated
+      checkpoint (no parameter sharding) is read whole on every rank: the rank's trainable tensors
+      (full: weights; LoRA: the adapter) and optimizer state, as the plan bills them. DCP (sharded)
+      reads and writes in place, a tensor at a time, so nothing whole. The main rank of a full
+      fine-tune gathers the whole model in host memory to save the result (params x stored bytes).
+    Pretrained weights are copied from a memory-mapped file a tensor at a time, so loading adds nothing."""
+    r = resolve(cfg)
+    ledger = plan(cfg)
+    hw = cfg.hardware
+    device_bytes = []
+    host_bytes = []
+    for rank, d in enumerate(ledger.devices):
+        resident = (hw.cpu_runtime_mib if d.device.kind == "cpu" else hw.cuda_context_mib) * MiB
+        need = d.total_bytes + d.error_margin_bytes + int(d.device.capacity_bytes * hw.safety_margin) - resident
+        device_bytes.append(max(0, need))
+        if d.device.kind == "cpu":
+            host_bytes.append(max(0, need))
+            continue
+        resume = 0 if r.dims.shards_params else _most(d, "adapter" if r.cfg.mode != "full" else "weights")
+        resume += 0 if r.dims.shards_params else _most(d, "optimizer")
+        result = r.spec.num_params * r.precision.param_bytes if rank == 0 and r.cfg.mode == "full" else 0
+        host_bytes.append(max(resume, result) + d.offload_bytes)
+    return Bill(device_bytes=tuple(device_bytes), host_bytes=tuple(host_bytes), source=f"the {ledger.source} plan")
+
+
+def _most(d: DeviceLedger, component: str) -> int:
+    """A component's largest figure over the rank's phases."""
+    return max(phase.get(component, 0) for phase in d.phases.values())
