@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from trainplan import config as C
 from trainplan.advise.estimate import StepEstimate, estimate
+from trainplan.advise.rank import peak_json, rung_json
 from trainplan.advise.search import MAX_MICRO_BATCH, Request, Rung, micro_batches, overflow, peak_fraction, rungs
 from trainplan.errors import ConfigError
 from trainplan.plan.analytic import plan, resolve
@@ -268,16 +269,10 @@ def limit_text(m: Maximized, x: Longest) -> str:
 
 def entry_json(m: Maximized, x: Longest, rank: int) -> dict:
     r, b, est = x.rung, x.config.batch, x.estimate
-    worst = max(x.ledger.all_ledgers, key=lambda d: d.total_bytes / d.usable_bytes)
     return {
         "rank": rank,
         "rung": r.short(),
-        "mode": r.mode,
-        "precision": r.precision,
-        "strategy": r.strategy if r.dp > 1 else "single",
-        "tp": r.tp,
-        "pp": r.pp,
-        "dp": r.dp,
+        **rung_json(r),
         "activation_checkpointing": r.ac,
         "optimizer": r.optimizer,
         "lora": {"r": r.lora_r, "targets": r.targets_label} if r.lora_r else None,
@@ -287,12 +282,7 @@ def entry_json(m: Maximized, x: Longest, rank: int) -> dict:
         "grad_accum_steps": x.ledger.settings["grad_accum_steps"],
         "capped": x.capped,
         "limit": limit_text(m, x),
-        "peak": {
-            "device": worst.label,
-            "total_bytes": worst.total_bytes,
-            "usable_bytes": worst.usable_bytes,
-            "fraction": worst.total_bytes / worst.usable_bytes,
-        },
+        "peak": peak_json(x.ledger),
         "estimate": None
         if est is None
         else {"step_seconds": est.step_s, "tokens_per_s": est.tokens_per_s, "mfu": est.mfu},

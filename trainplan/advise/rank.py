@@ -98,18 +98,35 @@ def estimate_note(est: StepEstimate | None, registry: str | None) -> str:
     return f"step time is an estimate (MFU {'; '.join(parts)}{source}): see docs/advise.md"
 
 
-def entry_json(s: Search, o: Outcome, rank: int, prefer: str) -> dict:
-    m, ledger, est = shown(s, o, prefer)
-    r = o.rung
-    worst = max(ledger.all_ledgers, key=lambda d: d.total_bytes / d.usable_bytes)
+def rung_json(r: Rung) -> dict:
+    """A rung's settings, as both advise outputs list them."""
     return {
-        "rank": rank,
         "mode": r.mode,
         "precision": r.precision,
         "strategy": r.strategy if r.dp > 1 else "single",
         "tp": r.tp,
         "pp": r.pp,
         "dp": r.dp,
+    }
+
+
+def peak_json(ledger: Ledger) -> dict:
+    """The fullest device of a ledger: its bill against its usable capacity."""
+    worst = max(ledger.all_ledgers, key=lambda d: d.total_bytes / d.usable_bytes)
+    return {
+        "device": worst.label,
+        "total_bytes": worst.total_bytes,
+        "usable_bytes": worst.usable_bytes,
+        "fraction": worst.total_bytes / worst.usable_bytes,
+    }
+
+
+def entry_json(s: Search, o: Outcome, rank: int, prefer: str) -> dict:
+    m, ledger, est = shown(s, o, prefer)
+    r = o.rung
+    return {
+        "rank": rank,
+        **rung_json(r),
         "micro_batch_size": m,
         "grad_accum_steps": ledger.settings["grad_accum_steps"],
         "activation_checkpointing": r.ac,
@@ -118,12 +135,7 @@ def entry_json(s: Search, o: Outcome, rank: int, prefer: str) -> dict:
         if r.lora_r
         else None,
         "summary": ledger.settings["summary"],
-        "peak": {
-            "device": worst.label,
-            "total_bytes": worst.total_bytes,
-            "usable_bytes": worst.usable_bytes,
-            "fraction": worst.total_bytes / worst.usable_bytes,
-        },
+        "peak": peak_json(ledger),
         "devices": [
             {
                 "label": d.label,

@@ -31,7 +31,7 @@ import torch
 from trainplan import config as C
 from trainplan.errors import TrainplanError
 from trainplan.run import dist
-from trainplan.spec.devices import format_gib
+from trainplan.spec.devices import format_gib, meminfo_bytes
 
 PROBE = ".trainplan-preflight"
 
@@ -62,14 +62,7 @@ def free_device_bytes(device: torch.device) -> int:
 
 def available_host_bytes() -> int | None:
     """MemAvailable of /proc/meminfo: what can be allocated without swapping; None off Linux."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return meminfo_bytes("MemAvailable")
 
 
 def hostname() -> str:

@@ -119,16 +119,22 @@ def parse_size(text: str, field: str) -> int:
     return int(value)
 
 
-def host_memory_bytes() -> int:
-    """Physical memory of this machine (Linux /proc/meminfo; os.sysconf elsewhere)."""
+def meminfo_bytes(key: str) -> int | None:
+    """One field of Linux's /proc/meminfo ("MemTotal", "MemAvailable") in bytes; None elsewhere."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(f"{key}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine (Linux /proc/meminfo; os.sysconf elsewhere)."""
+    total = meminfo_bytes("MemTotal")
+    return total if total is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def cpu_device() -> DeviceSpec:
