@@ -172,3 +172,13 @@ def test_what_the_step_in_backward_cannot_do_is_refused_in_one_line(tiny_run, ex
         resolve(C.load(None, [*base, *IN_BACKWARD, *extra]))
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
     assert "optim.step_in_backward = false" in str(e.value)  # names the way out
+
+
+def test_the_trace_refuses_the_step_in_backward_rather_than_trace_another_step(tiny_run):
+    from trainplan.errors import TrainplanError
+    from trainplan.plan import traced
+
+    root, base = tiny_run
+    cfg = C.load(None, [*base, "optim.step_in_backward=true", "train.max_grad_norm=0", "guard.enabled=false"])
+    with pytest.raises(TrainplanError, match="optim.step_in_backward: the trace runs the plain optimizer step"):
+        traced.trace(cfg)

@@ -47,6 +47,11 @@ class TraceResult:
 
 def _check_traceable(r: resolve.Resolved) -> None:
     cfg = r.cfg
+    if cfg.optim.step_in_backward:
+        raise TrainplanError(
+            "optim.step_in_backward: the trace runs the plain optimizer step; use `trainplan plan` (analytic), "
+            "or `trainplan accept` to measure the run"
+        )
     if cfg.mode == "qlora":
         raise TrainplanError(
             "run.mode: qlora needs bitsandbytes on CUDA and cannot be traced on the CPU; "

@@ -138,6 +138,7 @@ def accept(
     """Run the checks in order, each a stage of `progress`; returns the result (also the input
     of the report)."""
     from trainplan.plan import analytic
+    from trainplan.plan.bill import preflight_bill
     from trainplan.run import loop
     from trainplan.run.record import RunRecord
     from trainplan.run.record import write as write_record
@@ -160,7 +161,7 @@ def accept(
         if nproc > 1:
             record = RunRecord.from_json(run_train([str(config_file)], out_dir / "train", nproc=nproc))
         else:
-            record, _ = loop.run(main_cfg, progress=checks.progress)
+            record, _ = loop.run(main_cfg, progress=checks.progress, bill=preflight_bill)
         with checks.progress.stage("samples", "greedy completions by the base and the result"):
             record.samples = samples(record)
         write_record(record, out_dir / "train")

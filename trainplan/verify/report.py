@@ -80,7 +80,7 @@ def run_facts(result: dict) -> list[tuple[str, list[tuple[str, str]]]]:
         ),
         ("optimizer", f"{optim['name']}, lr {optim['lr']:g}, weight decay {optim.get('weight_decay', 0):g}"),
         ("schedule", f"{train['schedule']}, {train['warmup_steps']} warmup steps"),
-        ("gradient clipping", f"max norm {train['max_grad_norm']:g}"),
+        ("gradient clipping", f"max norm {train['max_grad_norm']:g}" if train["max_grad_norm"] else "off"),
         ("evaluation", evaluation),
         ("seed", str(rec["seed"])),
     ]
