@@ -142,12 +142,12 @@ def test_gpu_matrix_covers_the_issue_and_fits_one_h200():
 
     gv = _gpu_validate()
     assert len(gv.MATRIX) >= 16
-    _, modes, _, micro, seqs, ac = (set(col) for col in zip(*gv.MATRIX, strict=True))
+    _, modes, _, micro, seqs, ac, _ = (set(col) for col in zip(*map(gv.unpack, gv.MATRIX), strict=True))
     assert (
         modes == {"inference", "full", "lora", "qlora"}
         and micro == {1, 4}
         and seqs == {512, 2048, 4096}
-        and ac == {True, False}
+        and ac == {True, False, 14, "auto"}  # every layer, none, the first 14, the planner's choice
     )
     for row in gv.MATRIX:
         cfg = C.load(None, gv.row_settings(row, row[0], "H200-141GB"))
