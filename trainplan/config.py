@@ -347,10 +347,14 @@ class MemoryConfig:
     # recompute layers in backward instead of saving their activations: false | true (every layer) |
     # N (the first N decoder layers) | "auto" (the fewest layers that fit every device's budget)
     activation_checkpointing: bool | int | str = False
+    # what a checkpointed layer keeps: "full" its input only (recomputes everything); "selective" also its
+    # matmul and attention outputs (recomputes the norms, activations and RoPE: less recompute, more memory)
+    checkpointing_policy: str = "full"
     attention: str = "auto"  # auto: sdpa where transformers supports it for the model, else eager
 
     def __post_init__(self) -> None:
         _choice("memory", "attention", self.attention, ATTENTIONS)
+        _choice("memory", "checkpointing_policy", self.checkpointing_policy, ("full", "selective"))
         ac = self.activation_checkpointing
         if isinstance(ac, str) and ac in ("none", "full"):
             self.activation_checkpointing = ac == "full"

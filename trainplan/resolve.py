@@ -125,6 +125,19 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
             f"{ac} layers, but {spec.name} has {spec.num_layers}",
             f"use at most {spec.num_layers}, or true to checkpoint every layer",
         )
+    if cfg.memory.checkpointing_policy == "selective" and (spec.num_experts or spec.derived):
+        kind = "a mixture of experts" if spec.num_experts else "planned from derived terms"
+        raise ConfigError(
+            "memory.checkpointing_policy",
+            f"selective checkpointing is planned for dense layers with hand-written terms; {spec.name} is {kind}",
+            'use "full"',
+        )
+    if cfg.memory.checkpointing_policy == "selective" and spec.attention(cfg.memory.attention) == "eager":
+        raise ConfigError(
+            "memory.checkpointing_policy",
+            "selective checkpointing is planned with SDPA attention, and this run uses eager attention",
+            'set memory.attention = "sdpa" where the model has it, or use "full"',
+        )
     if cfg.hardware.memory_budget is not None:
         parse_size(cfg.hardware.memory_budget, "hardware.memory_budget")  # refuses a size without a unit
     spec.attention(cfg.memory.attention)  # refuses sdpa where transformers has none

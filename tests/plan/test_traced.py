@@ -81,6 +81,31 @@ def test_analytic_ledger_agrees_with_the_trace(tiny_dir, case):
         assert abs(diff) <= 0.003 * result.peak_bytes, (phase, diff)
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["precision=fp32", "memory.activation_checkpointing=true"],
+        ["precision=amp-bf16", "memory.activation_checkpointing=1"],
+    ],
+    ids=["every-layer-fp32", "1-of-2-amp"],
+)
+def test_selective_checkpointing_plan_agrees_with_the_trace(tiny_dir, extra):
+    """memory.checkpointing_policy = "selective" (issue 20): a checkpointed layer keeps its matmul and
+    attention outputs. Forward (what the layers keep) to the byte as the other cases; backward, where
+    the recompute consumes the kept outputs, within 1 % of this tiny model's peak. (LoRA here is
+    2 % under at backward; at SmolLM2 and Llama-3.2-1B sizes, LoRA's backward peak agrees within
+    0.02 %: docs/memory-model.md.)"""
+    cfg = cfg_for(tiny_dir, "fp32", *extra, "memory.checkpointing_policy=selective")
+    result, _ = traced.trace(cfg)
+    led = analytic.plan(cfg).devices[0]
+    plain = analytic.plan(cfg_for(tiny_dir, "fp32", *extra)).devices[0]
+    assert led.phase_total("forward") > plain.phase_total("forward")  # it keeps more than the input
+    for phase, comps in result.phases.items():
+        diff = led.phase_total(phase) - sum(comps.values())
+        limit = 0.01 if phase == "backward" else 0.003
+        assert abs(diff) <= limit * result.peak_bytes, (phase, diff)
+
+
 def _backend_op(name: str, overload: str) -> bool:
     """An aten op that runs a kernel (no CompositeImplicitAutograd decomposition): a dispatch mode
     sees its outputs, never what the kernel allocates and frees inside it."""

@@ -49,16 +49,24 @@ def test_the_engine_checkpoints_exactly_the_first_n_layers(tiny_run):
 
 
 def test_checkpointing_changes_nothing_but_memory(tiny_run, tmp_path):
-    """fp32 on the CPU: none, the first layer, every layer: the same losses and weights, bit for bit."""
+    """fp32 on the CPU: none, the first layer, every layer, every layer selectively: the same losses
+    and weights, bit for bit."""
     root, base = tiny_run
+    settings = {"false": [], "1": [], "true": [], "selective": ["memory.checkpointing_policy=selective"]}
     runs = {
-        ac: train(base, tmp_path / ac, f"memory.activation_checkpointing={ac}", "train.measure_memory=false").to_json()
-        for ac in ("false", "1", "true")
+        name: train(
+            base,
+            tmp_path / name,
+            f"memory.activation_checkpointing={'true' if name == 'selective' else name}",
+            "train.measure_memory=false",
+            *extra,
+        ).to_json()
+        for name, extra in settings.items()
     }
     history = {ac: [(s["loss"], s["grad_norm"]) for s in rec["steps"]] for ac, rec in runs.items()}
-    assert history["1"] == history["false"] == history["true"]
+    assert history["1"] == history["false"] == history["true"] == history["selective"]
     hashes = {ac: rec["final"]["weights_hash"] for ac, rec in runs.items()}
-    assert hashes["1"] == hashes["false"] == hashes["true"]
+    assert hashes["1"] == hashes["false"] == hashes["true"] == hashes["selective"]
 
 
 def test_partial_checkpointing_plan_matches_the_measured_step(four_layers, tmp_path):
@@ -137,3 +145,14 @@ def test_bad_checkpointing_values_are_one_line_errors(four_layers, setting, mess
 def test_a_budget_without_a_unit_is_refused(four_layers):
     with pytest.raises(ConfigError, match="hardware.memory_budget: '20' has no unit"):
         analytic.plan(C.load(None, [*four_layers, 'hardware.memory_budget="20"']))
+
+
+def test_selective_checkpointing_is_refused_where_it_is_not_planned(four_layers, capsys):
+    code = cli.main(["plan", "Mixtral-8x7B", "--set", "memory.checkpointing_policy=selective", "--checkpointing"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "memory.checkpointing_policy: selective checkpointing is planned for dense layers" in err
+    code = cli.main(["plan", *(x for s in [*four_layers, 'memory.checkpointing_policy="some"'] for x in ("--set", s))])
+    assert code == 2 and "memory.checkpointing_policy: unknown value 'some'" in capsys.readouterr().err
+    eager = [*four_layers, "memory.checkpointing_policy=selective", "memory.attention=eager"]
+    assert cli.main(["plan", *(x for s in eager for x in ("--set", s))]) == 2
+    assert "selective checkpointing is planned with SDPA attention" in capsys.readouterr().err

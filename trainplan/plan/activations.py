@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from trainplan.plan.tensors import ROWWISE
 from trainplan.spec.model import ModelSpec
 
 INT64 = 8
@@ -305,6 +306,29 @@ def layer_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bool =
             )
         ]
     return attention_saved(spec, ctx, input_requires_grad=input_requires_grad) + mlp_saved(spec, ctx)
+
+
+def selective_kept(spec: ModelSpec, ctx: ActContext) -> list[SavedTensor]:
+    """What a layer under selective checkpointing keeps beside its input (run/build.py SAVED_OPS):
+    the output of every matmul (each linear, LoRA's A and B) and of attention, in the compute dtype;
+    the norms, activations, RoPE and adds are recomputed in backward. SDPA keeps its output and
+    logsumexp; eager attention its two matmuls' outputs (the scores, b x heads x s^2, and the
+    context). Dense layers only (resolve refuses MoE and derived terms)."""
+    t, cb = ctx.tokens, ctx.compute_bytes
+    heads = spec.num_heads // ctx.tp
+    out: list[SavedTensor] = []
+    for lin in spec.layer_linears:
+        width = lin.out_features if lin.module in ROWWISE else lin.out_features // ctx.tp
+        out.append(SavedTensor(name=f"{lin.module}.output", nbytes=t * width * cb))
+        if lin.module in ctx.lora_targets:
+            out.append(SavedTensor(name=f"{lin.module}.lora_A output", nbytes=t * ctx.lora_r * cb))
+            out.append(SavedTensor(name=f"{lin.module}.lora_B output", nbytes=t * width * cb))
+    if ctx.attention == "eager":
+        out.append(SavedTensor(name="attn.scores", nbytes=ctx.batch * heads * ctx.seq * ctx.seq * cb, note="s^2 term"))
+        out.append(SavedTensor(name="attn.context", nbytes=t * spec.q_dim // ctx.tp * cb))
+    else:
+        out += [s for s in attention_saved(spec, ctx) if s.name in ("sdpa.output", "sdpa.logsumexp (fp32)")]
+    return out
 
 
 def total(saved: list[SavedTensor]) -> int:

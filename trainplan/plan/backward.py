@@ -108,7 +108,7 @@ def _recompute(
     if ctx.autocast and ctx.full and not ctx.fsdp:  # the recomputed layer's casts, made again
         moment["weight_copies"] = casts_kept_by_checkpointing(ctx, top, plain_layers=False)
     moment["activations"] = (
-        acts.first_layer_bwd + ctx.in_flight * acts.step_inputs + ctx.in_flight * (ctx.ck - 1) * acts.layer_in
+        acts.first_layer_bwd + ctx.in_flight * acts.step_inputs + ctx.in_flight * (ctx.ck - 1) * acts.kept
     )
     return moment
 

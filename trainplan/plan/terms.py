@@ -77,7 +77,8 @@ class RankContext:
     checkpointed: int  # activation checkpointing: the first `checkpointed` decoder layers of the model
     ck: int  # of them, the ones on this stage (its first `ck` layers)
     act: A.ActContext
-    saved: dict[bool, tuple]  # `_saved`: one layer's saved tensors, its input requiring grad or not
+    saved: dict  # `_saved`: one layer's saved tensors, its input requiring grad or not; "selective": kept bytes
+    selective: bool  # memory.checkpointing_policy = "selective"
 
     @property
     def spec(self) -> ModelSpec:
@@ -202,6 +203,7 @@ def rank_context(r: Resolved, rank: int) -> RankContext:
         ck=max(0, min(layers.stop, r.checkpointed_layers) - layers.start),
         act=act,
         saved=_saved(spec, act),
+        selective=cfg.memory.checkpointing_policy == "selective",
     )
 
 
@@ -520,6 +522,7 @@ def _saved(spec: ModelSpec, act: A.ActContext) -> dict[bool, tuple]:
         for input_requires_grad in (True, False):
             saved = tuple(A.layer_saved(spec, act, input_requires_grad=input_requires_grad))
             out[input_requires_grad] = saved, A.total(saved), tuple((s.name, s.nbytes) for s in saved)
+        out["selective"] = None if spec.layer_fit is not None else A.total(A.selective_kept(spec, act))
         spec.memo[key] = out
     return spec.memo[key]
 
@@ -532,6 +535,7 @@ class ActTerm(NamedTuple):
     saved_layers: int  # every layer's of one micro-batch
     head_saved: list[A.SavedTensor]
     layer_in: int  # one layer's input (the residual stream)
+    kept: int  # what a checkpointed layer keeps: its input, and under selective checkpointing its matmul outputs
     step_inputs: int
     note: str
 
@@ -542,7 +546,8 @@ def activations(ctx: RankContext) -> ActTerm:
     per_layer, per_layer_bytes = _layer_saved(ctx), _layer_saved_bytes(ctx)
     ck = ctx.ck  # the stage's first ck layers keep only their input (checkpointing)
     layer_in = ctx.tokens * spec.hidden_size * ctx.residual
-    saved_layers = ck * layer_in + (n_layers - ck) * per_layer_bytes
+    kept = layer_in + (ctx.saved["selective"] if ctx.selective else 0)  # per checkpointed layer
+    saved_layers = ck * kept + (n_layers - ck) * per_layer_bytes
     if ctx.first and not ctx.full and ck == 0:
         # the frozen embedding's output needs no grad: layer 0's first norm saves nothing
         saved_layers += _layer_saved_bytes(ctx, input_requires_grad=False) - per_layer_bytes
@@ -555,15 +560,17 @@ def activations(ctx: RankContext) -> ActTerm:
         f"{in_flight} micro-batch(es) in flight"
         + (f"; largest saved tensor {top.name} {gib(top.nbytes)}" if top else "")
     )
+    what = f"input and matmul and attention outputs ({gib(kept)})" if ctx.selective else f"input ({gib(layer_in)})"
     if ck == n_layers and ck:
         note = (
-            f"checkpointing keeps each layer's input ({gib(layer_in)}) x {n_layers} "
+            f"{'selective ' if ctx.selective else ''}checkpointing keeps each layer's {what} x {n_layers} "
             f"layers x {in_flight} micro-batch(es) in flight, plus one layer recomputed in "
             f"backward ({gib(per_layer_bytes)})"
         )
     elif ck:
         note = (
-            f"checkpointing the first {ck} of {n_layers} layers keeps their inputs ({gib(layer_in)} each; one "
+            f"{'selective ' if ctx.selective else ''}checkpointing the first {ck} of {n_layers} layers keeps "
+            f"each one's {what} (one "
             f"recomputed at a time in backward); the other {n_layers - ck} layers x {plain}"
         )
     else:
@@ -583,6 +590,7 @@ def activations(ctx: RankContext) -> ActTerm:
         saved_layers=saved_layers,
         head_saved=head_saved,
         layer_in=layer_in,
+        kept=kept,
         step_inputs=step_inputs,
         note=note,
     )
