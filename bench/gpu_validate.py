@@ -385,9 +385,7 @@ def validate_row(row, settings, trace_future, device, args, peak_tflops, nvml_ba
     from trainplan.plan import analytic
 
     cfg = C.load(None, settings)
-    chosen = None
-    if cfg.memory.activation_checkpointing == "auto":  # the planner's choice is what runs
-        cfg, chosen = analytic.choose_checkpointing(cfg)
+    cfg, chosen = analytic.choose_checkpointing(cfg)  # "auto": the planner's choice is what runs
     r = resolve.resolve(cfg)
     ledger = analytic.plan(cfg)
     preset, mode, precision, micro, seq, ac, extra = unpack(row)

@@ -74,15 +74,13 @@ def register(record, registry_arg: str | None, device: str) -> None:
 
 def execute(cfg, registry_arg: str | None = None, *, quiet: bool = False):
     """Run cfg, register the run and write its record (on the main rank); (record, env)."""
+    from trainplan.plan.analytic import choose_checkpointing
+    from trainplan.plan.bill import preflight_bill
     from trainplan.run import loop, record
 
-    if cfg.memory.activation_checkpointing == "auto":  # the planner chooses; every rank the same
-        from trainplan.plan.analytic import choose_checkpointing
-
-        cfg, note = choose_checkpointing(cfg)
-        if os.environ.get("RANK", "0") == "0":
-            print(f"trainplan train: {note}", file=sys.stderr)
-    from trainplan.plan.bill import preflight_bill
+    cfg, note = choose_checkpointing(cfg)  # "auto": the planner chooses, every rank the same
+    if note and os.environ.get("RANK", "0") == "0":
+        print(f"trainplan train: {note}", file=sys.stderr)
 
     rec, env = loop.run(cfg, quiet=quiet, bill=preflight_bill)  # each rank's preflight checks the plan's bill
     if env.is_main:  # the record first: the registry never lists a run whose record was not written

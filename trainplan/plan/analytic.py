@@ -285,21 +285,25 @@ def zero_model_state_bytes(*, params: int, dp: int, stage: int, k: int = 12, low
 
 
 def plan(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Ledger:
-    if cfg.memory.activation_checkpointing == "auto":
-        cfg, note = choose_checkpointing(cfg, spec)
-        ledger = plan_resolved(resolve(cfg, spec))
+    cfg, note = choose_checkpointing(cfg, spec)
+    ledger = plan_resolved(resolve(cfg, spec))
+    if note:
         ledger.notes.insert(1, note)
-        return ledger
-    return plan_resolved(resolve(cfg, spec))
+    return ledger
 
 
-def choose_checkpointing(cfg: C.RunConfig, spec: ModelSpec | None = None) -> tuple[C.RunConfig, str]:
-    """memory.activation_checkpointing = "auto": the fewest checkpointed layers (the least
+def choose_checkpointing(cfg: C.RunConfig, spec: ModelSpec | None = None) -> tuple[C.RunConfig, str | None]:
+    """cfg as it runs, and why: anything but "auto" is returned as it is, with no note. Every
+    command that plans, traces or runs a config passes it through here first.
+
+    memory.activation_checkpointing = "auto": the fewest checkpointed layers (the least
     recompute) whose plan fits every device, under hardware.memory_budget where one is set;
     (cfg with that count, the reason in one line). Each checkpointed layer keeps its input instead
     of its saved tensors, so memory falls as the count grows: a binary search between none and
     every layer, each step a full plan. The answer is always planned and fits, unless even every
     layer does not fit: then every layer, and the plan says what does not fit."""
+    if cfg.memory.activation_checkpointing != "auto":
+        return cfg, None
     spec = spec or resolve(cfg).spec
 
     def at(n: int) -> C.RunConfig:

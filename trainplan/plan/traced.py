@@ -74,10 +74,9 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
     real=True runs the very same step on real, randomly initialized CPU tensors instead: the
     validation that fake tracing allocates what a real run allocates (small models only).
     """
-    if cfg.memory.activation_checkpointing == "auto":  # the planner's choice, traced
-        from trainplan.plan.analytic import choose_checkpointing
+    from trainplan.plan.analytic import choose_checkpointing
 
-        cfg, _ = choose_checkpointing(cfg, spec)
+    cfg, _ = choose_checkpointing(cfg, spec)  # "auto": the planner's choice is what is traced
     r = resolve.resolve(cfg, spec)
     _check_traceable(r)
     if real and r.dims.shards_params:

@@ -145,8 +145,8 @@ def accept(
     from trainplan.verify.resume import run_train
 
     t0 = time.perf_counter()
-    if cfg.memory.activation_checkpointing == "auto":  # the run and the plan it is checked against use the choice
-        cfg, note = analytic.choose_checkpointing(cfg)
+    cfg, note = analytic.choose_checkpointing(cfg)  # the run and the plan it is checked against use the choice
+    if note:
         print(f"trainplan accept: {note}", file=sys.stderr)
     out_dir.mkdir(parents=True, exist_ok=True)
     for own in ("train", "overfit"):  # accept's own runs start clean in a reused output dir
