@@ -242,6 +242,7 @@ class _Planner:
         if gpus is not None:  # other devices than requested: what would fit
             self.base = replace(self.base, hardware=replace(self.base.hardware, gpus=gpus, gpu_mem=None))
         self._resolved: dict[tuple[Rung, int], Resolved] = {}
+        self._memo: dict[Rung, dict] = {}  # plan_resolved's, per rung: its micro-batches share it
 
     def resolved(self, rung: Rung, micro_batch: int) -> Resolved:
         """The rung resolved at this micro-batch. Everything but the batch is built and validated
@@ -253,18 +254,26 @@ class _Planner:
                 self._resolved[key] = resolve(cfg, self.request.spec)
             else:
                 r = self.resolved(rung, 1)
-                cfg = replace(r.cfg, batch=replace(r.cfg.batch, micro_batch_size=micro_batch))
-                self._resolved[key] = replace(r, cfg=cfg, batch=resolve_batch(cfg.batch, r.dims.dp))
+                cfg = _changed(r.cfg, batch=_changed(r.cfg.batch, micro_batch_size=micro_batch))
+                self._resolved[key] = _changed(r, cfg=cfg, batch=resolve_batch(cfg.batch, r.dims.dp))
         return self._resolved[key]
 
     def __call__(self, rung: Rung, micro_batch: int) -> Ledger:
         self.evaluated += 1
-        return plan_resolved(self.resolved(rung, micro_batch))
+        return plan_resolved(self.resolved(rung, micro_batch), self._memo.setdefault(rung, {}))
 
     def ledger(self, o: Outcome, micro_batch: int) -> Ledger:
         if micro_batch not in o.ledgers:
             o.ledgers[micro_batch] = self(o.rung, micro_batch)
         return o.ledgers[micro_batch]
+
+
+def _changed(obj, **fields):
+    """A copy of a dataclass already validated, with `fields` changed: dataclasses.replace runs
+    __init__ (and its checks) again, which the search would do thousands of times."""
+    other = object.__new__(type(obj))
+    other.__dict__.update(obj.__dict__, **fields)
+    return other
 
 
 def _climb(planner: _Planner, rung: Rung, top_first: bool) -> Outcome:

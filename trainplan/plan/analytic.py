@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 from trainplan import config as C
 from trainplan.plan import lifecycle
@@ -66,9 +67,25 @@ def _backward_copies(ctx: T.RankContext, copies: int) -> int:
     return copies
 
 
-def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
-    """One rank's bill: the terms of plan/terms.py, per phase, with the peak moment of backward."""
-    ctx = T.rank_context(r, rank)
+class _Fixed(NamedTuple):
+    """One rank's terms that do not depend on the micro-batch (given whether gradients persist)."""
+
+    weights: T.Term
+    copies: T.Term
+    adapter: T.AdapterTerm
+    grads: T.GradTerm
+    opt: T.OptTerm
+    buffers: int
+    runtime: int
+    load: dict[str, int]
+    save: dict[str, int]
+    host_bytes: int
+    explain: dict[str, str]  # the notes of the terms above but the load's and the save's
+    load_note: str
+    save_note: str
+
+
+def _fixed_terms(ctx: T.RankContext) -> _Fixed:
     weights, copies, adapter = T.weights(ctx), T.weight_copies(ctx), T.adapter(ctx)
     grads, opt = T.gradients(ctx), T.optimizer(ctx)
     explain: dict[str, str] = {"weights": weights.note}
@@ -81,11 +98,33 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
         host_bytes = opt.states + opt.temp + grads.nbytes + adapter.states
         explain["optimizer"] = "offloaded to host memory (see the host column)"
         opt, adapter = opt._replace(states=0, temp=0), adapter._replace(states=0)
+    buffers = T.buffers(ctx)
+    load, load_note = lifecycle.load(ctx, weights, adapter, buffers)
+    save, save_note = lifecycle.save(ctx, weights, adapter, grads, opt, buffers)
+    runtime = T.runtime(ctx)
+    return _Fixed(
+        weights, copies, adapter, grads, opt, buffers, runtime, load, save, host_bytes, explain, load_note, save_note
+    )
+
+
+def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedger:
+    """One rank's bill: the terms of plan/terms.py, per phase, with the peak moment of backward.
+    `memo`: this rank's, kept across plans of the same job at other micro-batches (the advisor's
+    search): the terms the micro-batch does not change are computed once."""
+    ctx = T.rank_context(r, rank, memo.get("ctx") if memo else None)
+    fixed = memo.get(ctx.persistent_grads) if memo else None
+    if fixed is None:
+        fixed = _fixed_terms(ctx)
+        if memo is not None:
+            memo.setdefault("ctx", ctx)
+            memo[ctx.persistent_grads] = fixed
+    weights, copies, adapter, grads, opt = fixed.weights, fixed.copies, fixed.adapter, fixed.grads, fixed.opt
+    buffers, runtime, load, host_bytes = fixed.buffers, fixed.runtime, fixed.load, fixed.host_bytes
+    explain = dict(fixed.explain)
     comm = T.comm_buffers(ctx, grads.nbytes)
     if comm.note:
         explain["comm_buffers"] = comm.note
-    buffers, runtime = T.buffers(ctx), T.runtime(ctx)
-    load, explain["load"] = lifecycle.load(ctx, weights, adapter, buffers)
+    explain["load"] = fixed.load_note
     if not r.training:
         return _inference_ledger(ctx, weights.nbytes, buffers, runtime, explain, load)
 
@@ -135,7 +174,7 @@ def _rank_ledger(r: Resolved, rank: int) -> DeviceLedger:
     phases["evaluate"], explain["evaluate"] = lifecycle.evaluate(
         ctx, weights, copies, adapter, grads, opt, buffers, comm
     )
-    phases["save"], explain["save"] = lifecycle.save(ctx, weights, adapter, grads, opt, buffers)
+    phases["save"], explain["save"] = fixed.save, fixed.save_note
     return _device_ledger(r, rank, phases, runtime, explain, details, offload_bytes=host_bytes)
 
 
@@ -343,8 +382,10 @@ def choose_checkpointing(cfg: C.RunConfig, spec: ModelSpec | None = None) -> tup
     )
 
 
-def plan_resolved(r: Resolved) -> Ledger:
-    """The plan of a job already resolved (the advisor resolves a rung once, then varies its batch)."""
+def plan_resolved(r: Resolved, memo: dict | None = None) -> Ledger:
+    """The plan of a job already resolved (the advisor resolves a rung once, then varies its batch).
+    `memo`: one dict per job, passed to each of its plans that differ only in the micro-batch: the
+    terms the micro-batch does not change are computed once (`_rank_ledger`)."""
     from trainplan.plan import derived
 
     r = derived.attach(r)
@@ -358,7 +399,7 @@ def plan_resolved(r: Resolved) -> Ledger:
         if r.dims.shards_params and device.kind == "cpu" and r.training:
             key += (rank == 0,)  # saving: the main CPU rank keeps the gathered state dict
         if key not in cache:
-            cache[key] = _rank_ledger(r, rank)
+            cache[key] = _rank_ledger(r, rank, None if memo is None else memo.setdefault(key, {}))
         ledgers.append(
             cache[key].for_rank(label=_label(device, rank), device=device, role=_role(r.dims, rank), rank=rank)
         )

@@ -6,6 +6,7 @@ measurement line up row by row.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -64,7 +65,8 @@ class DeviceLedger:
     budget_bytes: int | None = None  # hardware.memory_budget: a cap on the bill below the device's capacity
 
     def for_rank(self, *, label: str, device: DeviceSpec, role: str, rank: int) -> DeviceLedger:
-        """This bill on another rank of the same kind: the ranks share the bill's dicts."""
+        """This bill on another rank of the same kind: the ranks share the bill's dicts (and its peak)."""
+        self.peak_allocated  # noqa: B018 -- summed here, once for every rank that shares the bill
         other = object.__new__(DeviceLedger)
         other.__dict__.update(self.__dict__)
         other.label, other.device, other.role, other.ranks = label, device, role, [rank]
@@ -77,8 +79,10 @@ class DeviceLedger:
     def peak_phase(self) -> str:
         return max(self.phases, key=self.phase_total)
 
-    @property
+    @functools.cached_property
     def peak_allocated(self) -> int:
+        """Summed once: the advisor asks each bill whether it fits thousands of times. A bill's
+        phases are not changed once built (a changed bill is a new DeviceLedger)."""
         return max(self.phase_total(p) for p in self.phases)
 
     @property
@@ -123,7 +127,7 @@ class DeviceLedger:
 
     @property
     def headroom_bytes(self) -> int:
-        peak = self.peak_allocated  # summed once: the advisor asks for this thousands of times
+        peak = self.peak_allocated
         return self.usable_bytes - self._total(peak) - self._error_margin(peak)
 
     @property

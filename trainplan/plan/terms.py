@@ -128,9 +128,12 @@ def _fsdp_units(stage: StageTensors, tp: int) -> tuple[int, int]:
     return stage.numel("root", tp), unit
 
 
-def rank_context(r: Resolved, rank: int) -> RankContext:
-    """Everything one rank's terms share, computed once."""
-    spec, cfg, prec, dims, batch = r.spec, r.cfg, r.precision, r.dims, r.batch
+def rank_context(r: Resolved, rank: int, like: RankContext | None = None) -> RankContext:
+    """Everything one rank's terms share, computed once. `like`: this rank's context of the same job
+    at another micro-batch (the advisor's search): only what the micro-batch changes is recomputed."""
+    if like is not None:
+        return _at_micro_batch(like, r)
+    spec, cfg, prec, dims = r.spec, r.cfg, r.precision, r.dims
     device = r.devices[rank]
     stage, dp_i, _ = dims.coords(rank)
     first, last = stage == 0, stage == dims.pp - 1
@@ -196,15 +199,35 @@ def rank_context(r: Resolved, rank: int) -> RankContext:
         cb=cb,
         autocast=autocast,
         residual=residual,
-        persistent_grads=dims.keeps_grads_between_steps or batch.grad_accum_steps > 1,
         fused=r.fused_loss and last,
-        in_flight=min(dims.pp - stage, batch.grad_accum_steps) if dims.pp > 1 else 1,
+        **_batch_fields(r, stage),
         checkpointed=r.checkpointed_layers,
         ck=max(0, min(layers.stop, r.checkpointed_layers) - layers.start),
         act=act,
         saved=_saved(spec, act),
         selective=cfg.memory.checkpointing_policy == "selective",
     )
+
+
+def _batch_fields(r: Resolved, stage: int) -> dict:
+    """The fields of RankContext that depend on the micro-batch through the accumulation steps."""
+    dims, accum = r.dims, r.batch.grad_accum_steps
+    return {
+        "persistent_grads": dims.keeps_grads_between_steps or accum > 1,
+        "in_flight": min(dims.pp - stage, accum) if dims.pp > 1 else 1,
+    }
+
+
+def _at_micro_batch(like: RankContext, r: Resolved) -> RankContext:
+    if (like.r.dims is not r.dims and like.r.dims != r.dims) or like.act.seq != r.batch.seq_len:
+        raise AssertionError("rank_context(like=...) takes a context of the same job at another micro-batch")
+    # frozen dataclasses: copy the fields, then set the batch's (dataclasses.replace would validate
+    # every field again, a third of the advisor's time per plan)
+    act = object.__new__(A.ActContext)
+    act.__dict__.update(like.act.__dict__, batch=r.batch.micro_batch_size)
+    ctx = object.__new__(RankContext)
+    ctx.__dict__.update(like.__dict__, r=r, act=act, saved=_saved(r.spec, act), **_batch_fields(r, like.stage))
+    return ctx
 
 
 def _act_context(
