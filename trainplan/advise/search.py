@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from trainplan import config as C
 from trainplan.advise.estimate import StepEstimate, estimate
 from trainplan.errors import ConfigError
-from trainplan.plan.analytic import plan_resolved
+from trainplan.plan.analytic import fits_resolved, plan_resolved
 from trainplan.plan.ledger import DeviceLedger, Ledger, gib
 from trainplan.resolve import Resolved, resolve
 from trainplan.spec.devices import CATALOG, DeviceSpec, parse_devices
@@ -116,6 +116,7 @@ class Outcome:
     estimate: StepEstimate | None = None
     micro_options: list[int] = field(default_factory=list)  # divisors of the per-replica batch
     ledgers: dict[int, Ledger] = field(default_factory=dict, repr=False)  # micro-batch -> planned ledger
+    checked: dict[int, bool] = field(default_factory=dict, repr=False)  # micro-batch -> fits (not all planned)
 
     @property
     def fits(self) -> bool:
@@ -260,12 +261,27 @@ class _Planner:
 
     def __call__(self, rung: Rung, micro_batch: int) -> Ledger:
         self.evaluated += 1
+        return self._plan(rung, micro_batch)
+
+    def _plan(self, rung: Rung, micro_batch: int) -> Ledger:
         return plan_resolved(self.resolved(rung, micro_batch), self._memo.setdefault(rung, {}))
 
     def ledger(self, o: Outcome, micro_batch: int) -> Ledger:
+        """The rung's plan at this micro-batch (one candidate, whether checked before or not)."""
         if micro_batch not in o.ledgers:
-            o.ledgers[micro_batch] = self(o.rung, micro_batch)
+            self.evaluated += micro_batch not in o.checked
+            o.ledgers[micro_batch] = self._plan(o.rung, micro_batch)
         return o.ledgers[micro_batch]
+
+    def fits(self, o: Outcome, micro_batch: int) -> bool:
+        """Whether the rung fits at this micro-batch: its plan, stopped at the first device over."""
+        if micro_batch in o.ledgers:
+            return o.ledgers[micro_batch].fits
+        if micro_batch not in o.checked:
+            self.evaluated += 1
+            r = self.resolved(o.rung, micro_batch)
+            o.checked[micro_batch] = fits_resolved(r, self._memo.setdefault(o.rung, {}))
+        return o.checked[micro_batch]
 
 
 def _changed(obj, **fields):
@@ -284,7 +300,7 @@ def _climb(planner: _Planner, rung: Rung, top_first: bool) -> Outcome:
     ms = micro_batches(planner.request.global_batch // rung.dp)
     out = Outcome(rung=rung, micro_options=ms)
     try:
-        if top_first and len(ms) > 1 and planner.ledger(out, ms[-1]).fits:
+        if top_first and len(ms) > 1 and planner.fits(out, ms[-1]):
             out.largest_micro = ms[-1]
             return out
         out.base = planner.ledger(out, 1)
@@ -293,17 +309,17 @@ def _climb(planner: _Planner, rung: Rung, top_first: bool) -> Outcome:
         return out
     if not out.base.fits:
         return out
-    if len(ms) == 1 or planner.ledger(out, ms[-1]).fits:
+    if len(ms) == 1 or planner.fits(out, ms[-1]):
         out.largest_micro = ms[-1]
         return out
     lo, hi = 0, len(ms) - 1
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if planner.ledger(out, ms[mid]).fits:
+        if planner.fits(out, ms[mid]):
             lo = mid
         else:
             hi = mid
-    out.largest_micro, out.over = ms[lo], (ms[hi], out.ledgers[ms[hi]])
+    out.largest_micro, out.over = ms[lo], (ms[hi], planner.ledger(out, ms[hi]))
     return out
 
 

@@ -385,26 +385,64 @@ def choose_checkpointing(cfg: C.RunConfig, spec: ModelSpec | None = None) -> tup
 def plan_resolved(r: Resolved, memo: dict | None = None) -> Ledger:
     """The plan of a job already resolved (the advisor resolves a rung once, then varies its batch).
     `memo`: one dict per job, passed to each of its plans that differ only in the micro-batch: the
-    terms the micro-batch does not change are computed once (`_rank_ledger`)."""
+    terms the micro-batch does not change are computed once (`_rank_ledger`), and each bill once."""
     from trainplan.plan import derived
 
     r = derived.attach(r)
-    cfg = r.cfg
-    cache: dict[tuple, DeviceLedger] = {}
+    bills: dict[tuple, DeviceLedger] = {}
     ledgers = []
-    for rank, device in enumerate(r.devices):
-        stage, dp_i, _ = r.dims.coords(rank)
-        # ZeRO-1's partition is uneven: each data-parallel rank has its own bill
-        key = (stage, device, dp_i if r.dims.partitions_optimizer_by_tensor else 0)
-        if r.dims.shards_params and device.kind == "cpu" and r.training:
-            key += (rank == 0,)  # saving: the main CPU rank keeps the gathered state dict
-        if key not in cache:
-            cache[key] = _rank_ledger(r, rank, None if memo is None else memo.setdefault(key, {}))
+    for rank, key in _bill_keys(r.dims, tuple(r.devices), r.training):
+        if key not in bills:
+            bills[key] = _bill(r, rank, key, memo)
+        device = r.devices[rank]
         ledgers.append(
-            cache[key].for_rank(label=_label(device, rank), device=device, role=_role(r.dims, rank), rank=rank)
+            bills[key].for_rank(label=_label(device, rank), device=device, role=_role(r.dims, rank), rank=rank)
         )
-    host = _host_ledger(cfg, ledgers) if r.dims.offload_optimizer else None
+    host = _host_ledger(r.cfg, ledgers) if r.dims.offload_optimizer else None
     return Ledger(model=r.spec.summary(), settings=_settings(r), devices=ledgers, host=host, notes=_notes(r))
+
+
+def fits_resolved(r: Resolved, memo: dict) -> bool:
+    """plan_resolved(r, memo).fits, planning one bill at a time and stopping at the first over its
+    device: the advisor's binary search over the micro-batch asks this of most candidates. The bills
+    planned stay in `memo`, for plan_resolved of the same micro-batch."""
+    from trainplan.plan import derived
+
+    r = derived.attach(r)
+    if r.dims.offload_optimizer:  # the host's bill sums every rank's
+        return plan_resolved(r, memo).fits
+    seen = set()
+    for rank, key in _bill_keys(r.dims, tuple(r.devices), r.training):
+        if key not in seen:
+            seen.add(key)
+            if not _bill(r, rank, key, memo).fits:
+                return False
+    return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _bill_keys(dims: ParallelDims, devices: tuple[DeviceSpec, ...], training: bool) -> tuple[tuple[int, tuple], ...]:
+    """(rank, key) for every rank: ranks with the same key have the same bill."""
+    out = []
+    for rank, device in enumerate(devices):
+        stage, dp_i, _ = dims.coords(rank)
+        # ZeRO-1's partition is uneven: each data-parallel rank has its own bill
+        key = (stage, device, dp_i if dims.partitions_optimizer_by_tensor else 0)
+        if dims.shards_params and device.kind == "cpu" and training:
+            key += (rank == 0,)  # saving: the main CPU rank keeps the gathered state dict
+        out.append((rank, key))
+    return tuple(out)
+
+
+def _bill(r: Resolved, rank: int, key: tuple, memo: dict | None) -> DeviceLedger:
+    """The bill of `rank` (the first with this key), from the memo when this micro-batch's is there."""
+    if memo is None:
+        return _rank_ledger(r, rank)
+    slot = memo.setdefault(key, {})
+    at = ("bill", r.batch.micro_batch_size)
+    if at not in slot:
+        slot[at] = _rank_ledger(r, rank, slot)
+    return slot[at]
 
 
 def _host_ledger(cfg: C.RunConfig, ledgers: list[DeviceLedger]) -> DeviceLedger:
