@@ -83,7 +83,7 @@ class DeviceLedger:
     def peak_allocated(self) -> int:
         """Summed once: the advisor asks each bill whether it fits thousands of times. A bill's
         phases are not changed once built (a changed bill is a new DeviceLedger)."""
-        return max(self.phase_total(p) for p in self.phases)
+        return max(sum(components.values()) for components in self.phases.values())
 
     @property
     def reserve_bytes(self) -> int:

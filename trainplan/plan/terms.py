@@ -538,7 +538,8 @@ def layer_saved_details(ctx: RankContext) -> tuple[tuple[str, int], ...]:
 
 def _saved(spec: ModelSpec, act: A.ActContext) -> dict[bool, tuple]:
     """One layer's saved tensors, their bytes and (name, bytes) pairs, with its input requiring a
-    gradient (True) or not (False): once per model and activation context."""
+    gradient (True) or not (False), what selective checkpointing keeps ("selective") and the largest
+    saved tensor ("largest"): once per model and activation context."""
     key = ("layer_saved", act)
     if key not in spec.memo:
         out = {}
@@ -546,6 +547,7 @@ def _saved(spec: ModelSpec, act: A.ActContext) -> dict[bool, tuple]:
             saved = tuple(A.layer_saved(spec, act, input_requires_grad=input_requires_grad))
             out[input_requires_grad] = saved, A.total(saved), tuple((s.name, s.nbytes) for s in saved)
         out["selective"] = None if spec.layer_fit is not None else A.total(A.selective_kept(spec, act))
+        out["largest"] = max(out[True][0], key=lambda s: s.nbytes, default=None)  # for the note
         spec.memo[key] = out
     return spec.memo[key]
 
@@ -577,7 +579,7 @@ def activations(ctx: RankContext) -> ActTerm:
     head_saved = A.head_saved(spec, act, lm_head_trainable=ctx.full and not ctx.fused) if ctx.last else []
     fwd = in_flight * (saved_layers + A.total(head_saved))
     bwd = fwd  # recomputation starts after the loss's backward; see backward_moments
-    top = max(per_layer, key=lambda s: s.nbytes, default=None)
+    top = ctx.saved["largest"]
     plain = (
         f"{gib(per_layer_bytes)} saved per layer (micro-batch {batch.micro_batch_size}, seq {batch.seq_len}) x "
         f"{in_flight} micro-batch(es) in flight"
