@@ -12,7 +12,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
-.PHONY: install demo test test-fast lint bench browser launch-extras
+.PHONY: install demo test test-fast lint bench browser launch-extras slurm
 install: $(VENV)/.installed
 
 # A test renders accept's HTML report in headless Chromium, from Debian's packages.
@@ -20,6 +20,13 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; } >/dev/null 2>&1 || \
 		echo "warning: could not install chromium; the HTML render test needs it"
+
+# A test stands up a one-node SLURM cluster (slurmctld + slurmd) and submits `trainplan launch`'s sbatch
+# script to it, from Debian's packages; where they cannot be installed or started, that test skips, saying why.
+slurm:
+	@command -v slurmctld >/dev/null 2>&1 || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client; } \
+		>/dev/null 2>&1 || echo "warning: could not install SLURM; the real-SLURM launch test skips"
 
 # `trainplan launch`'s tests read its files back with each scheduler's own parser: SkyPilot, the
 # Kubeflow SDK, submitit. Not part of `make install`; without them those tests skip, saying why.
@@ -40,7 +47,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/trainplan plan examples/demo-lora.toml
 	$(VENV)/bin/trainplan accept
 
-test: $(VENV)/.installed browser launch-extras
+test: $(VENV)/.installed browser launch-extras slurm
 	$(PY) -m pytest -q -rs
 
 # No test that starts a process (CLI subprocesses, torchrun, browsers) and none marked slow.

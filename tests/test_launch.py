@@ -7,6 +7,7 @@ one skips, saying which, where it is missing."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -231,3 +232,141 @@ def test_sbatch_script_runs_under_a_stand_in_slurm_and_requeues_on_usr1(tmp_path
     assert (log / "srun.signal").read_text() == "TERM\n"
     assert (log / "scontrol").read_text() == "requeue 42\n"
     assert "checkpointing and requeueing job 42" in err
+
+
+# ---- the sbatch script under a real SLURM ------------------------------------------------------
+
+SLURM_CONF = """\
+ClusterName=trainplan-test
+SlurmctldHost={host}(127.0.0.1)
+AuthType=auth/none
+CredType=cred/none
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+MpiDefault=none
+SwitchType=switch/none
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+SchedulerType=sched/builtin
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """A one-node SLURM cluster of this machine for the module's tests: slurmctld and slurmd from
+    Debian's slurm-wlm packages (`make slurm`), on free ports, with their own state directory; the
+    environment (SLURM_CONF) that submits to it. Where it cannot be stood up, the test skips with the reason."""
+    import shutil
+    import socket
+
+    missing = [b for b in ("slurmctld", "slurmd", "sbatch", "sinfo", "scontrol") if shutil.which(b) is None]
+    if missing:
+        pytest.skip(f"SLURM is not installed ({', '.join(missing)} not found; `make slurm` installs it)")
+    if os.geteuid() != 0:
+        pytest.skip("slurmd starts jobs as their user, so it runs as root, and these tests do not")
+    root = tmp_path_factory.mktemp("slurm")
+    (root / "state").mkdir()
+    (root / "spool").mkdir()
+    host = socket.gethostname().split(".")[0]
+    conf = root / "slurm.conf"
+    conf.write_text(
+        SLURM_CONF.format(host=host, root=root, ctld_port=_free_port(), d_port=_free_port(), cpus=os.cpu_count())
+    )
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    for key in [k for k in env if k.startswith(("SLURM_JOB", "SLURM_STEP", "SLURM_NODELIST"))]:
+        env.pop(key)  # not this test's own allocation, should it run inside one
+    daemons = [
+        subprocess.Popen([name, "-D", "-f", str(conf), *extra], env=env, stdout=log, stderr=subprocess.STDOUT)
+        for name, extra, log in (
+            ("slurmctld", [], (root / "slurmctld.out").open("w")),
+            ("slurmd", ["-N", host], (root / "slurmd.out").open("w")),
+        )
+    ]
+    try:
+        deadline, state = time.monotonic() + 30, ""
+        while time.monotonic() < deadline and state != "idle":
+            if any(d.poll() is not None for d in daemons):
+                break
+            got = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True, check=False)
+            state = got.stdout.strip()
+            time.sleep(0.5)
+        if state != "idle":
+            logs = " | ".join(
+                f"{p.name}: {p.read_text().strip().splitlines()[-1]}"
+                for p in sorted(root.glob("slurm*.log")) + sorted(root.glob("slurm*.out"))
+                if p.exists() and p.read_text().strip()
+            )
+            pytest.skip(f"the one-node SLURM cluster did not come up (node state {state!r}): {logs}")
+        yield env
+    finally:
+        subprocess.run(["scontrol", "shutdown"], env=env, capture_output=True, check=False, timeout=30)
+        for d in daemons:
+            try:
+                d.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                d.kill()
+                d.wait()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_sbatch_script_completes_under_real_slurm_and_the_run_is_in_the_registry(slurm_cluster, tiny_run, tmp_path):
+    """`trainplan launch --target slurm` for one node of two CPU ranks, submitted with sbatch to a real
+    slurmctld + slurmd: the job completes, and the registry (the job's home) holds its run."""
+    import sys
+
+    from trainplan.verify import registry
+
+    root, base = tiny_run
+    shared, home = tmp_path / "shared", tmp_path / "home"
+    sets = [*base, f"model.source={root / 'weights'}", "model.init=auto", "train.steps=2", "checkpoint.every=1"]
+    flags = ["--gpus", "2xcpu", *(x for s in [*sets, f"train.output_dir={shared}"] for x in ("--set", s))]
+    code, script = launch(tmp_path, "slurm", *flags, "--nodes", "1", "--port", str(_free_port()))
+    assert code == 0 and "#SBATCH --nodes=1" in script.read_text()
+    env = {
+        **slurm_cluster,
+        "HOME": str(home),  # the job's registry: ~/.cache/trainplan/runs.sqlite
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # this environment's torchrun
+    }
+    job = subprocess.run(
+        ["sbatch", "--wait", "--parsable", str(script)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    job_id = job.stdout.strip().split(";")[0]
+    output = "".join(p.read_text() for p in tmp_path.glob("trainplan-job-*.out"))
+    assert job.returncode == 0, job.stderr + output[-4000:]
+    shown = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True, check=False)
+    assert "JobState=COMPLETED" in shown.stdout and "ExitCode=0:0" in shown.stdout, shown.stdout
+    record = json.loads((shared / "record.json").read_text())
+    assert record["hardware"]["world_size"] == 2 and [s["step"] for s in record["steps"]] == [1, 2]
+    rows = registry.rows(home / ".cache" / "trainplan" / "runs.sqlite")
+    assert [(r["kind"], r["output_dir"], r["devices"]) for r in rows] == [("train", str(shared), "2xcpu")]
