@@ -155,6 +155,19 @@ def ddp_bucket_bytes(model: torch.nn.Module) -> int:
     return sum(int(x) for x in sizes.split(",") if x.strip())
 
 
+def fsdp_offload_policy(model: torch.nn.Module) -> str | None:
+    """The offload policy FSDP2 applied ("CPUOffloadPolicy", or "OffloadPolicy": none), read from its
+    first unit that holds parameters; None when the model is not sharded by FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                return type(group.offload_policy).__name__
+    return None
+
+
 @contextlib.contextmanager
 def untracked() -> Iterator[None]:
     """Ops run here are invisible to the storage tracker (and every other dispatch mode): for views

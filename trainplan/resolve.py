@@ -89,11 +89,12 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
             "qlora needs CUDA GPUs (bitsandbytes 4-bit kernels)",
             'plan for GPUs (hardware.gpus) or use mode = "lora" on the CPU',
         )
-    if cfg.parallel.offload_optimizer and any(not d.is_gpu for d in devices):
+    if cfg.parallel.offload_optimizer and any(not d.is_gpu for d in devices) and not _fsdp(cfg):
         raise ConfigError(
             "parallel.offload_optimizer",
-            "offloading to the host needs GPU devices",
-            "set parallel.offload_optimizer = false when planning for the CPU",
+            f"on the CPU only FSDP2's offload runs, and parallel.strategy is {cfg.parallel.strategy} (there it moves "
+            "nothing: the host is the device)",
+            'set parallel.strategy = "zero3" or "fsdp-grad-op", or parallel.offload_optimizer = false',
         )
     if spec.learned_positions and cfg.batch.seq_len > spec.learned_positions:
         raise ConfigError(
@@ -200,6 +201,11 @@ def _require_step_in_backward(cfg: C.RunConfig, dims: ParallelDims, batch: Resol
             raise ConfigError(field, problem, fix)
 
 
+def _fsdp(cfg: C.RunConfig) -> bool:
+    """The strategy is one of FSDP2's (parameters sharded)."""
+    return cfg.parallel.strategy in ("zero3", "fsdp-grad-op")
+
+
 class NotRunnable(ConfigError):
     """A configuration the planner covers but the training engine does not run; `what` names the
     missing capability in a few words (advise shows it beside the entry)."""
@@ -232,6 +238,15 @@ def require_runnable(cfg: C.RunConfig, dims: ParallelDims, *, max_positions: int
         )
     if cfg.optim.name == "adamw-8bit" and cfg.mode != "inference":
         _require_bitsandbytes_optimizer(dims)
+    if cfg.parallel.offload_optimizer and cfg.mode != "inference" and not dims.shards_params:
+        raise NotRunnable(
+            "parallel.offload_optimizer",
+            "the engine offloads through FSDP2's CPUOffloadPolicy (parameter shards, their gradients and the "
+            f"optimizer on the host), which needs a sharded strategy on 2 or more devices; {dims.strategy} with "
+            "offload is planned as DeepSpeed's ZeRO-Offload but not run",
+            'set parallel.strategy = "zero3" on 2 or more devices, or parallel.offload_optimizer = false',
+            what="optimizer offload without FSDP2",
+        )
     if cfg.mode == "qlora" and not cuda:
         raise NotRunnable(
             "run.mode",

@@ -224,6 +224,45 @@ def test_offload_puts_optimizer_on_a_host_row(make_cfg):
     assert "host" in [c for c in ledger.to_json()] or ledger.to_json()["host"]["label"] == "host"
 
 
+def test_fsdp2_offload_keeps_shards_gradients_and_the_step_on_the_host(make_cfg):
+    """FSDP2's CPUOffloadPolicy (the engine's offload): the device holds no parameter shard, gradient
+    or optimizer state in any phase, only what is gathered or computed; the host holds every rank's
+    shards, gradients, states and the step's temporaries (the CPU's for-loop implementation)."""
+    settings = {"model__source": "Llama-3.1-8B", "hardware__gpus": "4xH100-80GB", "parallel__strategy": "zero3"}
+    plain = plan(make_cfg(**settings))
+    ledger = plan(make_cfg(**settings, parallel__offload_optimizer=True, hardware__host_mem="1TiB"))
+    dev, before = ledger.devices[0], plain.devices[0]
+    for phase, comps in dev.phases.items():
+        assert [comps.get(c, 0) for c in ("weights", "gradients", "optimizer", "optimizer_temp")] == [0] * 4, phase
+    shard = before.phases["forward"]["weights"]  # this rank's fp32 parameter shard
+    assert dev.phases["forward"]["weight_copies"] > before.phases["forward"]["weight_copies"]  # + a unit's shard
+    assert dev.peak_allocated < before.peak_allocated - shard  # the device gave up at least the weights
+    host = ledger.host
+    assert "FSDP2 CPUOffloadPolicy" in host.explain["optimizer"]
+    per_rank = before.phases["optimizer"]
+    adam = per_rank["weights"] + per_rank["gradients"] + per_rank["optimizer"]
+    assert host.peak_allocated > 4 * adam  # every rank's shards, gradients and states, plus the step
+    assert host.peak_allocated < 4 * (adam + per_rank["optimizer_temp"])  # for-loop temporaries, not foreach's
+    assert "this rank's shard is in host memory" in dev.explain["weights"]
+
+
+def test_offload_on_the_cpu_runs_through_fsdp2_and_moves_nothing(make_cfg):
+    """On the CPU the host is the device: FSDP2's offload plans as zero3 does, with no host column;
+    any other strategy with offload is refused there, and for `train` on GPUs (only FSDP2's runs)."""
+    from trainplan.resolve import NotRunnable, require_runnable, resolve
+
+    settings = {"model__source": "tiny-llama", "hardware__gpus": "2xcpu", "parallel__strategy": "zero3"}
+    plain, offloaded = plan(make_cfg(**settings)), plan(make_cfg(**settings, parallel__offload_optimizer=True))
+    assert offloaded.host is None
+    assert [d.phases for d in offloaded.devices] == [d.phases for d in plain.devices]
+    assert "on the CPU the host is the device" in offloaded.devices[0].explain["optimizer"]
+    with pytest.raises(ConfigError, match=r"parallel\.offload_optimizer: on the CPU only FSDP2's offload runs"):
+        plan(make_cfg(**{**settings, "parallel__strategy": "ddp"}, parallel__offload_optimizer=True))
+    r = resolve(make_cfg(model__source="tiny-llama", hardware__gpus="2xA100-80GB", parallel__offload_optimizer=True))
+    with pytest.raises(NotRunnable, match=r"offload is planned as DeepSpeed's ZeRO-Offload but not run"):
+        require_runnable(r.cfg, r.dims, cuda=True)
+
+
 def test_bf16_on_v100_is_refused_with_the_fix(make_cfg):
     with pytest.raises(
         ConfigError, match=r'run\.precision: amp-bf16 needs bf16, which T4 lacks; use precision = "amp-fp16"'

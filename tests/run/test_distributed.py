@@ -174,3 +174,22 @@ def test_a_hung_peer_ends_the_run_within_the_timeout(tiny_run, tmp_path):
         -3000:
     ]
     assert elapsed < 120, elapsed
+
+
+def test_optimizer_offload_runs_fsdp2_on_the_host_with_the_same_losses(tiny_run, tmp_path):
+    """parallel.offload_optimizer through FSDP2's CPUOffloadPolicy: the parameter shards, their
+    gradients and the optimizer step live in host memory. On the CPU the host is the device, so the
+    run is the zero3 run, bitwise, and the plan says that nothing moves: its load, evaluate and save
+    peaks match the plan as zero3's do."""
+    root, base = tiny_run
+    common = [*base, f"model.source={root / 'weights'}", "model.init=auto", "batch.micro_batch_size=2"]
+    plain = torchrun(tmp_path / "plain", common, "parallel.strategy=zero3")
+    offloaded = torchrun(tmp_path / "offload", common, "parallel.strategy=zero3", "parallel.offload_optimizer=true")
+    assert offloaded["hardware"]["fsdp_offload"] == "CPUOffloadPolicy"  # as FSDP2 applied it
+    assert plain["hardware"]["fsdp_offload"] == "OffloadPolicy"
+    assert [(s["loss"], s["grad_norm"]) for s in offloaded["steps"]] == [
+        (s["loss"], s["grad_norm"]) for s in plain["steps"]
+    ]
+    assert offloaded["eval_after"]["loss"] == plain["eval_after"]["loss"]
+    rows = _phase_rows(offloaded)
+    assert all(r["ok"] for r in rows), [(r["device"], r["phase"], r["planned"], r["measured"]) for r in rows]

@@ -94,10 +94,23 @@ def _fixed_terms(ctx: T.RankContext) -> _Fixed:
             explain[key] = term.note
     explain["optimizer_temp"] = opt.temp_note
     host_bytes = 0
-    if ctx.dims.offload_optimizer:  # states, step temporaries and a gradient copy move to the host
+    offload = _offload(ctx)
+    if offload == "zero-offload":  # states, step temporaries and a gradient copy move to the host
         host_bytes = opt.states + opt.temp + grads.nbytes + adapter.states
         explain["optimizer"] = "offloaded to host memory (see the host column)"
         opt, adapter = opt._replace(states=0, temp=0), adapter._replace(states=0)
+    elif offload == "fsdp2":
+        # the step runs on the host's tensors, with the host's optimizer implementation
+        host_opt = T.optimizer(dataclasses.replace(ctx, cpu=True))
+        host_bytes = weights.nbytes + grads.nbytes + host_opt.states + host_opt.temp
+        host_bytes += adapter.weights + adapter.grads + adapter.states
+        for key in ("weights", "gradients", "optimizer", "optimizer_temp"):
+            explain[key] = "this rank's shard is in host memory (FSDP2 CPUOffloadPolicy; see the host column)"
+    elif offload == "none on the CPU":
+        explain["optimizer"] = (
+            explain.get("optimizer", "") + " (parallel.offload_optimizer: on the CPU the host is the device, so "
+            "FSDP2's offload moves nothing)"
+        ).lstrip()
     buffers = T.buffers(ctx)
     load, load_note = lifecycle.load(ctx, weights, adapter, buffers)
     save, save_note = lifecycle.save(ctx, weights, adapter, grads, opt, buffers)
@@ -105,6 +118,34 @@ def _fixed_terms(ctx: T.RankContext) -> _Fixed:
     return _Fixed(
         weights, copies, adapter, grads, opt, buffers, runtime, load, save, host_bytes, explain, load_note, save_note
     )
+
+
+def _offload(ctx: T.RankContext) -> str:
+    """How parallel.offload_optimizer runs on this rank: "fsdp2" (the engine's: FSDP2's
+    CPUOffloadPolicy keeps each rank's parameter shards, their gradients and the optimizer step on the
+    host), "zero-offload" (DeepSpeed's, planned but not run: states, step and a gradient copy on the
+    host), "none on the CPU" (the host is the device), or "" (off)."""
+    if not ctx.dims.offload_optimizer or not ctx.r.training:
+        return ""
+    if ctx.cpu:
+        return "none on the CPU"
+    return "fsdp2" if ctx.fsdp else "zero-offload"
+
+
+def _on_device_under_fsdp2_offload(ctx: T.RankContext, phase: dict[str, int], adapter: T.AdapterTerm) -> dict:
+    """One moment's device bill under FSDP2's CPUOffloadPolicy: the parameter shards, their gradients
+    (each reduce-scattered shard is copied to the host) and the optimizer live in host memory; the
+    device keeps what is gathered or computed, plus, while a unit is gathered, its shard copied over
+    for the all-gather."""
+    out = dict(phase)
+    for component in ("weights", "gradients", "optimizer", "optimizer_temp"):
+        if component in out:
+            out[component] = 0
+    if "adapter" in out:
+        out["adapter"] = adapter.copy
+    if out.get("weight_copies"):
+        out["weight_copies"] += -(-ctx.unit_numel // ctx.shard_w) * ctx.prec.param_bytes
+    return out
 
 
 def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedger:
@@ -160,6 +201,9 @@ def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedg
         },
     }
     moments = backward_moments(ctx, phases["backward"], adapter, grads, acts, comm)
+    offloaded = _offload(ctx) == "fsdp2"
+    if offloaded:
+        moments = [_on_device_under_fsdp2_offload(ctx, m, adapter) for m in moments]
     phases["backward"] = max(moments, key=lambda c: sum(c.values()))
     if not T.in_backward(ctx):  # optim.step_in_backward: the updates ran in backward (plan/backward.py)
         phases["optimizer"] = {
@@ -175,6 +219,10 @@ def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedg
         ctx, weights, copies, adapter, grads, opt, buffers, comm
     )
     phases["save"], explain["save"] = fixed.save, fixed.save_note
+    if offloaded:
+        for name in ("load", "forward", "optimizer", "evaluate", "save"):
+            if name in phases:
+                phases[name] = _on_device_under_fsdp2_offload(ctx, phases[name], adapter)
     return _device_ledger(r, rank, phases, runtime, explain, details, offload_bytes=host_bytes)
 
 
@@ -398,7 +446,8 @@ def plan_resolved(r: Resolved, memo: dict | None = None) -> Ledger:
         ledgers.append(
             bills[key].for_rank(label=_label(device, rank), device=device, role=_role(r.dims, rank), rank=rank)
         )
-    host = _host_ledger(r.cfg, ledgers) if r.dims.offload_optimizer else None
+    offloaded = r.dims.offload_optimizer and any(led.offload_bytes for led in ledgers)  # none on the CPU
+    host = _host_ledger(r.cfg, ledgers, fsdp2=r.dims.shards_params) if offloaded else None
     return Ledger(model=r.spec.summary(), settings=_settings(r), devices=ledgers, host=host, notes=_notes(r))
 
 
@@ -445,11 +494,17 @@ def _bill(r: Resolved, rank: int, key: tuple, memo: dict | None) -> DeviceLedger
     return slot[at]
 
 
-def _host_ledger(cfg: C.RunConfig, ledgers: list[DeviceLedger]) -> DeviceLedger:
+def _host_ledger(cfg: C.RunConfig, ledgers: list[DeviceLedger], *, fsdp2: bool) -> DeviceLedger:
     """Host memory under optimizer offload: what every rank on the node keeps there."""
     host_cap = parse_size(cfg.hardware.host_mem, "hardware.host_mem") if cfg.hardware.host_mem else host_memory_bytes()
     host_dev = DeviceSpec(name="host RAM", kind="cpu", capacity_bytes=host_cap, bf16=True, peak_tflops=None)
     offloaded = sum(led.offload_bytes for led in ledgers)
+    what = (
+        "the parameter shards, their gradients, optimizer states and step temporaries of every rank on this node "
+        "(FSDP2 CPUOffloadPolicy)"
+        if fsdp2
+        else "optimizer states, their step temporaries and a gradient copy of every rank on this node"
+    )
     return DeviceLedger(
         label="host",
         device=host_dev,
@@ -457,9 +512,7 @@ def _host_ledger(cfg: C.RunConfig, ledgers: list[DeviceLedger]) -> DeviceLedger:
         phases={"optimizer": {"optimizer": offloaded}},
         runtime_bytes=0,
         reserve_fraction=0.0,
-        explain={
-            "optimizer": "optimizer states, their step temporaries and a gradient copy of every rank on this node"
-        },
+        explain={"optimizer": what},
     )
 
 

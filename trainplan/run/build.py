@@ -81,17 +81,35 @@ def apply_mode(model: nn.Module, cfg: RunConfig) -> nn.Module:
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, prec: Precision, mesh) -> nn.Module:
-    """FSDP2: one unit per decoder layer plus the root; mixed precision through the policy."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    """FSDP2: one unit per decoder layer plus the root; mixed precision through the policy.
+    parallel.offload_optimizer: CPUOffloadPolicy keeps the parameter shards, their gradients and the
+    optimizer step in host memory (pinned for CUDA's copies); `materialize_params_on_host` says where
+    the parameters are allocated."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     dt = dtypes(prec)
     mp = MixedPrecisionPolicy(
         param_dtype=dt.compute, reduce_dtype=torch.float32 if prec.grad_bytes == 4 else dt.compute
     )
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if dims.offload_optimizer else OffloadPolicy()
     reshard = dims.reshard_after_forward
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
+    return model
+
+
+def parameters_on_host(dims: ParallelDims | None) -> bool:
+    """FSDP2's CPUOffloadPolicy: the parameters are allocated in host memory (buffers on the device)."""
+    return dims is not None and dims.shards_params and dims.offload_optimizer
+
+
+def buffers_to(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Move the module buffers (rotary frequencies) to `device`, the parameters staying where they are."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != torch.device(device):
+                module._buffers[name] = buf.to(device)
     return model
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from trainplan import _torch_private
 from trainplan.files import write_atomic
 from trainplan.run import checkpoint, data, dist, measure
 
@@ -158,7 +159,12 @@ def header(job) -> RunRecord:
     return RunRecord(
         config=cfg.to_dict(),
         versions=versions(cfg.mode),
-        hardware={"device": str(env.device), "world_size": env.world, "devices": device_label(env)},
+        hardware={
+            "device": str(env.device),
+            "world_size": env.world,
+            "devices": device_label(env),
+            "fsdp_offload": _torch_private.fsdp_offload_policy(job.model),  # as applied; None: not FSDP2
+        },
         seed=cfg.train.seed,
         data={
             "source": cfg.data.source,

@@ -134,6 +134,12 @@ def load_model(
 
     allow_cpu: qlora on bitsandbytes' CPU backend (tests only)."""
     model = build.build_model(spec, cfg, prec, dims=dims, mesh=mesh, allow_cpu=allow_cpu)
+    if build.parameters_on_host(dims):  # FSDP2's CPUOffloadPolicy: parameters in host memory, buffers on the device
+        return build.buffers_to(_load_model(model, cfg, spec, torch.device("cpu")), device)
+    return _load_model(model, cfg, spec, device)
+
+
+def _load_model(model: nn.Module, cfg: RunConfig, spec: ModelSpec, device: torch.device) -> nn.Module:
     if not is_pretrained(cfg):
         return build.materialize(model, device)
     directory = weights_dir(cfg)
@@ -261,6 +267,8 @@ def _load_one(handle: SafetensorsFile, name: str, tensor: torch.Tensor) -> None:
         warnings.simplefilter("ignore", UserWarning)
         src = handle.tensor(name)
     if isinstance(tensor, DTensor):  # FSDP2 shard: keep this rank's slice of the full tensor
-        tensor.copy_(distribute_tensor(src.to(tensor.device, tensor.dtype), tensor.device_mesh, tensor.placements))
+        mesh = tensor.device_mesh
+        shard = distribute_tensor(src.to(mesh.device_type, tensor.dtype), mesh, tensor.placements).to_local()
+        tensor.to_local().copy_(shard)  # the local shard is in host memory under CPUOffloadPolicy
     else:
         tensor.copy_(src)
