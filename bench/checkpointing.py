@@ -1,5 +1,6 @@
 """Activation checkpointing as a continuum on the CPU: planned vs measured peak and step time for
-none / the first N layers / every layer, and the longest sequence under a budget, planned vs run.
+none / the first N layers / every layer, selective (matmul outputs kept) or full, and the longest
+sequence under a budget, planned vs run.
 
 Run: .venv/bin/python bench/checkpointing.py [--write-doc]   (--write-doc rewrites its table in docs/benchmarks.md)
 
@@ -39,7 +40,8 @@ BASE = [
     "checkpoint.every=0",
 ]
 SEQS = (256, 512, 1024)
-SETTINGS = ("false", "10", "20", "true")  # of 30 layers
+# (memory.activation_checkpointing, memory.checkpointing_policy): of 30 layers
+SETTINGS = (("false", "full"), ("10", "full"), ("20", "full"), ("true", "selective"), ("true", "full"))
 BUDGET_MIB = 2048
 
 
@@ -82,9 +84,12 @@ def main() -> None:
     ]
     with tempfile.TemporaryDirectory() as tmp:
         for seq in SEQS:
-            for ac in SETTINGS:
-                r = run([f"batch.seq_len={seq}", f"memory.activation_checkpointing={ac}"], Path(tmp) / f"{seq}-{ac}")
+            for ac, policy in SETTINGS:
+                sets = [f"batch.seq_len={seq}", f"memory.activation_checkpointing={ac}"]
+                sets.append(f'memory.checkpointing_policy="{policy}"')
+                r = run(sets, Path(tmp) / f"{seq}-{ac}-{policy}")
                 what = {"false": "none", "true": "every layer (30)"}.get(ac, f"first {ac} of 30")
+                what += ", selective" if policy == "selective" else ""
                 err = (r["planned"] - r["measured"]) / r["measured"]
                 cells = [str(seq), what, mib(r["planned"]), mib(r["measured"]), f"{err:+.2%}", f"{r['seconds']:.2f} s"]
                 lines.append("| " + " | ".join(cells) + " |")
