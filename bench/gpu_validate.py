@@ -78,6 +78,19 @@ MATRIX = [
     # row records the choice, and whether the measured peak stayed under the budget)
     ("Llama-3.2-3B", "full", "amp-bf16", 4, 2048, 14),
     ("Llama-3.2-3B", "full", "amp-bf16", 4, 2048, "auto", ('hardware.memory_budget="70GiB"',)),
+    # 8-bit AdamW (bitsandbytes' CUDA kernels, states planned to the byte) and the optimizer step in
+    # backward (each gradient freed by its own update). Optimizer offload runs through FSDP2 on 2 or
+    # more GPUs, so this one-GPU matrix has no row for it.
+    ("Llama-3.2-1B", "full", "amp-bf16", 4, 2048, False, ('optim.name="adamw-8bit"',)),
+    (
+        "Llama-3.2-1B",
+        "full",
+        "amp-bf16",
+        4,
+        2048,
+        False,
+        ("optim.step_in_backward=true", "train.max_grad_norm=0", "guard.enabled=false"),
+    ),
 ]
 SMOKE_MODEL = preset_config("tiny-llama")  # the tiny Llama of `trainplan devices`' determinism check
 SMOKE_MATRIX = [
@@ -189,7 +202,9 @@ def measure_row(cfg, r, device, steps: int) -> dict:
     optimizer = None
     if not inference:
         o = cfg.optim
-        optimizer = step.build_optimizer(model, o.name, o.implementation, o.lr, o.weight_decay, device.type)
+        optimizer = step.build_optimizer(
+            model, o.name, o.implementation, o.lr, o.weight_decay, device.type, in_backward=o.step_in_backward
+        )
     times, losses, memory, untracked = [], [], None, None
     for i in range(steps):
         meter = None
@@ -206,7 +221,9 @@ def measure_row(cfg, r, device, steps: int) -> dict:
             if inference:
                 loss = step.eval_forward(model, micro[0], prec=r.precision, device_type=device.type, on_phase=on_phase)
             else:
-                settings = step.StepSettings(prec=r.precision, device_type=device.type)
+                settings = step.StepSettings(
+                    prec=r.precision, device_type=device.type, max_grad_norm=cfg.train.max_grad_norm
+                )
                 hooks = step.StepHooks(on_phase=on_phase)
                 loss = step.train_step(model, step.Update(optimizer), micro, settings, hooks=hooks).loss
         _sync(device)
