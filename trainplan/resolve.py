@@ -242,9 +242,9 @@ def require_runnable(cfg: C.RunConfig, dims: ParallelDims, *, max_positions: int
         raise NotRunnable(
             "parallel.offload_optimizer",
             "the engine offloads through FSDP2's CPUOffloadPolicy (parameter shards, their gradients and the "
-            f"optimizer on the host), which needs a sharded strategy on 2 or more devices; {dims.strategy} with "
-            "offload is planned as DeepSpeed's ZeRO-Offload but not run",
-            'set parallel.strategy = "zero3" on 2 or more devices, or parallel.offload_optimizer = false',
+            f"optimizer on the host), on one device or many; {cfg.parallel.strategy} with offload is planned as "
+            "DeepSpeed's ZeRO-Offload but not run",
+            'set parallel.strategy = "zero3", or parallel.offload_optimizer = false',
             what="optimizer offload without FSDP2",
         )
     if cfg.mode == "qlora" and not cuda:

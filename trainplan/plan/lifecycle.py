@@ -135,7 +135,9 @@ def save(
         else:
             saved, largest, nbytes = T.lora_numel(ctx), T.lora_numel(ctx, largest=True), 4
         largest *= nbytes
-        if ctx.cpu and ctx.rank == 0:
+        if ctx.cpu and ctx.shard_w == 1:  # one rank (offload on one device): the full tensors are its own
+            note = "one rank: the full state dict is the parameters themselves, on the host already"
+        elif ctx.cpu and ctx.rank == 0:
             gathered = saved * nbytes + GATHER_COPIES * largest
             note = (
                 "rank 0 gathers every tensor in full and keeps them, on the host, for the file it writes; "

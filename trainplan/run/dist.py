@@ -65,6 +65,29 @@ def init(timeout_s: int = 600) -> DistEnv:
     return DistEnv(rank=rank, world=world, local_rank=local, device=device)
 
 
+_OWN_GROUP = False  # this process made a one-rank group (join_alone) and leaves it (leave_alone)
+
+
+def join_alone(env: DistEnv, timeout_s: int = 600) -> None:
+    """A process group of this one process: FSDP2 on one device (parallel.offload_optimizer) needs
+    a mesh. Its store is in memory: no port, no network."""
+    global _OWN_GROUP
+    if env.world == 1 and not dist.is_initialized():
+        backend = "nccl" if env.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=timeout_s)
+        )
+        _OWN_GROUP = True
+
+
+def leave_alone() -> None:
+    """Destroy the group join_alone made, if it did."""
+    global _OWN_GROUP
+    if _OWN_GROUP and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWN_GROUP = False
+
+
 def is_peer_timeout(e: BaseException) -> bool:
     """A collective gave up waiting for a peer (gloo and NCCL word it differently)."""
     text = str(e).lower()

@@ -67,7 +67,8 @@ def run(
                 f"answer ({str(e).splitlines()[0][:160]}); find the stuck or dead rank, or raise parallel.timeout_s"
             ) from None
         raise
-    finally:  # on every path: event files flushed, the heartbeat stopped
+    finally:  # on every path: event files flushed, the heartbeat stopped, a one-rank group left
+        dist.leave_alone()
         trackers.close(status)
         if own:
             progress.close(ok=status != "error")

@@ -111,7 +111,9 @@ def _lock(cfg: C.RunConfig, env: dist.DistEnv) -> tuple[DirLock, ...]:
 
 def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, locks: tuple, progress: Progress) -> Job:
     r = dataclasses.replace(r, spec=weights.as_built(cfg, r.spec))
-    sharded = r.dims.shards_params and env.world > 1
+    sharded = r.dims.shards_params and (env.world > 1 or r.dims.offload_optimizer)
+    if sharded and env.world == 1:  # offload on one device: FSDP2 over a one-rank mesh
+        dist.join_alone(env, cfg.parallel.timeout_s)
     torch.manual_seed(cfg.train.seed)
     with progress.stage("tokenize") as stage:
         tokenizer = weights.load_tokenizer(cfg, r.spec)

@@ -125,6 +125,8 @@ def build_parallel_dims(cfg: ParallelConfig, world_size: int, model: ModelSpec) 
         )
     dp = world_size // (tp * pp)
     strategy = cfg.strategy if dp > 1 else "single"
+    if dp == 1 and cfg.offload_optimizer and cfg.strategy in ("zero3", "fsdp-grad-op"):
+        strategy = cfg.strategy  # FSDP2's CPUOffloadPolicy on one device: FSDP2 over a one-rank mesh
     return ParallelDims(
         world_size=world_size, dp=dp, tp=tp, pp=pp, strategy=strategy, offload_optimizer=cfg.offload_optimizer
     )
