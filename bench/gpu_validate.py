@@ -79,8 +79,7 @@ MATRIX = [
     ("Llama-3.2-3B", "full", "amp-bf16", 4, 2048, 14),
     ("Llama-3.2-3B", "full", "amp-bf16", 4, 2048, "auto", ('hardware.memory_budget="70GiB"',)),
     # 8-bit AdamW (bitsandbytes' CUDA kernels, states planned to the byte) and the optimizer step in
-    # backward (each gradient freed by its own update). Optimizer offload runs through FSDP2 on 2 or
-    # more GPUs, so this one-GPU matrix has no row for it.
+    # backward (each gradient freed by its own update).
     ("Llama-3.2-1B", "full", "amp-bf16", 4, 2048, False, ('optim.name="adamw-8bit"',)),
     (
         "Llama-3.2-1B",
@@ -90,6 +89,17 @@ MATRIX = [
         2048,
         False,
         ("optim.step_in_backward=true", "train.max_grad_norm=0", "guard.enabled=false"),
+    ),
+    # optimizer offload: FSDP2's CPUOffloadPolicy over a one-rank mesh (the device side of its plan;
+    # the host's bytes are not measured here)
+    (
+        "Llama-3.2-3B",
+        "full",
+        "amp-bf16",
+        4,
+        2048,
+        False,
+        ('parallel.strategy="zero3"', "parallel.offload_optimizer=true"),
     ),
 ]
 SMOKE_MODEL = preset_config("tiny-llama")  # the tiny Llama of `trainplan devices`' determinism check
@@ -194,7 +204,15 @@ def measure_row(cfg, r, device, steps: int) -> dict:
     from trainplan.run import build, measure, step
 
     torch.manual_seed(0)
-    model = build.materialize(build.build_model(r.spec, cfg, r.precision), device)
+    if build.parameters_on_host(r.dims):  # offload on one GPU: FSDP2 over a one-rank mesh, as `train` runs it
+        from trainplan.run import dist
+
+        env = dist.DistEnv(rank=0, world=1, local_rank=device.index or 0, device=device)
+        dist.join_alone(env)
+        model = build.build_model(r.spec, cfg, r.precision, dims=r.dims, mesh=dist.mesh(env))
+        model = build.buffers_to(build.materialize(model, "cpu"), device)
+    else:
+        model = build.materialize(build.build_model(r.spec, cfg, r.precision), device)
     b = r.batch
     ids = torch.randint(0, r.spec.vocab_size, (b.micro_batch_size, b.seq_len), device=device)
     micro = [{"input_ids": ids, "labels": ids.clone()}]
@@ -232,6 +250,10 @@ def measure_row(cfg, r, device, steps: int) -> dict:
         if meter is not None:
             memory = meter.result()
     del model, optimizer, micro, ids, loss
+    if build.parameters_on_host(r.dims):
+        from trainplan.run import dist
+
+        dist.leave_alone()
     _free(device)
     return {"step_seconds": times, "losses": losses, "memory": memory, "untracked_allocated_bytes": untracked}
 
