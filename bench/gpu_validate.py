@@ -198,18 +198,30 @@ def _nvml_used(device) -> int | None:
 
 
 def measure_row(cfg, r, device, steps: int) -> dict:
-    """Run `steps` steps of trainplan's own step: step 2 measured per phase, later ones timed."""
+    """Run `steps` steps of trainplan's own step: step 2 measured per phase, later ones timed.
+    Optimizer offload runs as `train` runs it on one GPU: FSDP2 over a one-rank mesh, parameters and
+    the optimizer step on the host."""
+    from trainplan.run import build, dist
+
+    env = dist.DistEnv(rank=0, world=1, local_rank=device.index or 0, device=device)
+    host = build.parameters_on_host(r.dims)
+    if host:
+        dist.join_alone(env)
+    try:
+        return _measure(cfg, r, device, steps, mesh=dist.mesh(env) if host else None)
+    finally:
+        if host:
+            dist.leave_alone()
+
+
+def _measure(cfg, r, device, steps: int, *, mesh) -> dict:
     import torch
 
     from trainplan.run import build, measure, step
 
     torch.manual_seed(0)
-    if build.parameters_on_host(r.dims):  # offload on one GPU: FSDP2 over a one-rank mesh, as `train` runs it
-        from trainplan.run import dist
-
-        env = dist.DistEnv(rank=0, world=1, local_rank=device.index or 0, device=device)
-        dist.join_alone(env)
-        model = build.build_model(r.spec, cfg, r.precision, dims=r.dims, mesh=dist.mesh(env))
+    if mesh is not None:
+        model = build.build_model(r.spec, cfg, r.precision, dims=r.dims, mesh=mesh)
         model = build.buffers_to(build.materialize(model, "cpu"), device)
     else:
         model = build.materialize(build.build_model(r.spec, cfg, r.precision), device)
@@ -220,8 +232,9 @@ def measure_row(cfg, r, device, steps: int) -> dict:
     optimizer = None
     if not inference:
         o = cfg.optim
+        where = "cpu" if mesh is not None else device.type  # offload: the step runs on the host's parameters
         optimizer = step.build_optimizer(
-            model, o.name, o.implementation, o.lr, o.weight_decay, device.type, in_backward=o.step_in_backward
+            model, o.name, o.implementation, o.lr, o.weight_decay, where, in_backward=o.step_in_backward
         )
     times, losses, memory, untracked = [], [], None, None
     for i in range(steps):
@@ -250,10 +263,6 @@ def measure_row(cfg, r, device, steps: int) -> dict:
         if meter is not None:
             memory = meter.result()
     del model, optimizer, micro, ids, loss
-    if build.parameters_on_host(r.dims):
-        from trainplan.run import dist
-
-        dist.leave_alone()
     _free(device)
     return {"step_seconds": times, "losses": losses, "memory": memory, "untracked_allocated_bytes": untracked}
 

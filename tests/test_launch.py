@@ -267,12 +267,18 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
 
-def _free_port() -> int:
+def _free_ports(n: int) -> list[int]:
+    """n distinct free ports (held open together while they are chosen)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @pytest.fixture(scope="module")
@@ -283,34 +289,39 @@ def slurm_cluster(tmp_path_factory):
     import shutil
     import socket
 
-    missing = [b for b in ("slurmctld", "slurmd", "sbatch", "sinfo", "scontrol") if shutil.which(b) is None]
+    missing = [b for b in ("slurmctld", "slurmd", "sbatch", "sinfo", "scontrol", "scancel") if shutil.which(b) is None]
     if missing:
         pytest.skip(f"SLURM is not installed ({', '.join(missing)} not found; `make slurm` installs it)")
     if os.geteuid() != 0:
         pytest.skip("slurmd starts jobs as their user, so it runs as root, and these tests do not")
-    root = tmp_path_factory.mktemp("slurm")
-    (root / "state").mkdir()
-    (root / "spool").mkdir()
     host = socket.gethostname().split(".")[0]
     try:  # the script's rendezvous is on the allocation's first node, by name
         socket.gethostbyname(host)
     except OSError as e:
         pytest.skip(f"this machine's name {host!r} does not resolve ({e}), and the job's rendezvous uses it")
+    root = tmp_path_factory.mktemp("slurm")
+    (root / "state").mkdir()
+    (root / "spool").mkdir()
+    ctld_port, d_port = _free_ports(2)
+    cpus = len(os.sched_getaffinity(0))  # the CPUs this process may use, as slurmd counts them
     conf = root / "slurm.conf"
-    conf.write_text(
-        SLURM_CONF.format(host=host, root=root, ctld_port=_free_port(), d_port=_free_port(), cpus=os.cpu_count())
-    )
+    conf.write_text(SLURM_CONF.format(host=host, root=root, ctld_port=ctld_port, d_port=d_port, cpus=cpus))
     env = {**os.environ, "SLURM_CONF": str(conf)}
     for key in [k for k in env if k.startswith(("SLURM_JOB", "SLURM_STEP", "SLURM_NODELIST"))]:
         env.pop(key)  # not this test's own allocation, should it run inside one
-    daemons = [
-        subprocess.Popen([name, "-D", "-f", str(conf), *extra], env=env, stdout=log, stderr=subprocess.STDOUT)
-        for name, extra, log in (
-            ("slurmctld", [], (root / "slurmctld.out").open("w")),
-            ("slurmd", ["-N", host], (root / "slurmd.out").open("w")),
-        )
-    ]
+    daemons = []
     try:
+        for name, extra in (("slurmctld", []), ("slurmd", ["-N", host])):
+            with (root / f"{name}.out").open("w") as log:  # the child keeps its own descriptor
+                daemons.append(
+                    subprocess.Popen(
+                        [name, "-D", "-f", str(conf), *extra],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,  # its job steps too: killed as a group below
+                    )
+                )
         deadline, state = time.monotonic() + 30, ""
         while time.monotonic() < deadline and state != "idle":
             if any(d.poll() is not None for d in daemons):
@@ -327,12 +338,16 @@ def slurm_cluster(tmp_path_factory):
             pytest.skip(f"the one-node SLURM cluster did not come up (node state {state!r}): {logs}")
         yield env
     finally:
-        subprocess.run(["scontrol", "shutdown"], env=env, capture_output=True, check=False, timeout=30)
+        for cmd in (["scancel", "--full", "--partition", "debug"], ["scontrol", "shutdown"]):
+            try:
+                subprocess.run(cmd, env=env, capture_output=True, check=False, timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
         for d in daemons:
             try:
                 d.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                d.kill()
+                os.killpg(d.pid, signal.SIGKILL)
                 d.wait()
 
 
@@ -349,7 +364,7 @@ def test_sbatch_script_completes_under_real_slurm_and_the_run_is_in_the_registry
     shared, home = tmp_path / "shared", tmp_path / "home"
     sets = [*base, f"model.source={root / 'weights'}", "model.init=auto", "train.steps=2", "checkpoint.every=1"]
     flags = ["--gpus", "2xcpu", *(x for s in [*sets, f"train.output_dir={shared}"] for x in ("--set", s))]
-    code, script = launch(tmp_path, "slurm", *flags, "--nodes", "1", "--port", str(_free_port()))
+    code, script = launch(tmp_path, "slurm", *flags, "--nodes", "1", "--port", str(_free_ports(1)[0]))
     assert code == 0 and "#SBATCH --nodes=1" in script.read_text()
     env = {
         **slurm_cluster,

@@ -162,9 +162,9 @@ def fsdp_offload_policy(model: torch.nn.Module) -> str | None:
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            if group is not None:
-                return type(group.offload_policy).__name__
+            groups = module._get_fsdp_state()._fsdp_param_groups
+            if groups:
+                return type(groups[0].offload_policy).__name__
     return None
 
 

@@ -89,6 +89,12 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
             "qlora needs CUDA GPUs (bitsandbytes 4-bit kernels)",
             'plan for GPUs (hardware.gpus) or use mode = "lora" on the CPU',
         )
+    if cfg.parallel.offload_optimizer and cfg.mode == "inference":
+        raise ConfigError(
+            "parallel.offload_optimizer",
+            "inference has no optimizer (or gradients) to offload",
+            "set parallel.offload_optimizer = false",
+        )
     if cfg.parallel.offload_optimizer and any(not d.is_gpu for d in devices) and not _fsdp(cfg):
         raise ConfigError(
             "parallel.offload_optimizer",

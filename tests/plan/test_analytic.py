@@ -226,14 +226,18 @@ def test_offload_puts_optimizer_on_a_host_row(make_cfg):
 
 def test_fsdp2_offload_keeps_shards_gradients_and_the_step_on_the_host(make_cfg):
     """FSDP2's CPUOffloadPolicy (the engine's offload): the device holds no parameter shard, gradient
-    or optimizer state in any phase, only what is gathered or computed; the host holds every rank's
-    shards, gradients, states and the step's temporaries (the CPU's for-loop implementation)."""
+    or optimizer state in any phase, only what is gathered or computed (in backward, the head's
+    gradient before the root unit's reduce-scatter); the host holds every rank's shards, gradients,
+    states and the step's temporaries (the CPU's for-loop implementation)."""
     settings = {"model__source": "Llama-3.1-8B", "hardware__gpus": "4xH100-80GB", "parallel__strategy": "zero3"}
     plain = plan(make_cfg(**settings))
     ledger = plan(make_cfg(**settings, parallel__offload_optimizer=True, hardware__host_mem="1TiB"))
     dev, before = ledger.devices[0], plain.devices[0]
     for phase, comps in dev.phases.items():
-        assert [comps.get(c, 0) for c in ("weights", "gradients", "optimizer", "optimizer_temp")] == [0] * 4, phase
+        assert [comps.get(c, 0) for c in ("weights", "optimizer", "optimizer_temp")] == [0] * 3, phase
+        assert comps.get("gradients", 0) == 0 or phase == "backward", phase
+    # the head's: Llama-3.1-8B's untied lm_head gradient, whole and in bf16, until the root unit's reduce-scatter
+    assert dev.phases["backward"]["gradients"] == 128_256 * 4096 * 2
     shard = before.phases["forward"]["weights"]  # this rank's fp32 parameter shard
     assert dev.phases["forward"]["weight_copies"] > before.phases["forward"]["weight_copies"]  # + a unit's shard
     assert dev.peak_allocated < before.peak_allocated - shard  # the device gave up at least the weights
@@ -258,6 +262,8 @@ def test_offload_on_the_cpu_runs_through_fsdp2_and_moves_nothing(make_cfg):
     assert "on the CPU the host is the device" in offloaded.devices[0].explain["optimizer"]
     with pytest.raises(ConfigError, match=r"parallel\.offload_optimizer: on the CPU only FSDP2's offload runs"):
         plan(make_cfg(**{**settings, "parallel__strategy": "ddp"}, parallel__offload_optimizer=True))
+    with pytest.raises(ConfigError, match=r"parallel\.offload_optimizer: inference has no optimizer"):
+        plan(make_cfg(**settings, mode="inference", parallel__offload_optimizer=True))
     r = resolve(make_cfg(model__source="tiny-llama", hardware__gpus="2xA100-80GB", parallel__offload_optimizer=True))
     with pytest.raises(NotRunnable, match=r"offload is planned as DeepSpeed's ZeRO-Offload but not run"):
         require_runnable(r.cfg, r.dims, cuda=True)

@@ -132,15 +132,20 @@ def _offload(ctx: T.RankContext) -> str:
     return "fsdp2" if ctx.fsdp else "zero-offload"
 
 
-def _on_device_under_fsdp2_offload(ctx: T.RankContext, phase: dict[str, int], adapter: T.AdapterTerm) -> dict:
+def _on_device_under_fsdp2_offload(
+    ctx: T.RankContext, phase: dict[str, int], adapter: T.AdapterTerm, head_grad: int
+) -> dict:
     """One moment's device bill under FSDP2's CPUOffloadPolicy: the parameter shards, their gradients
     (each reduce-scattered shard is copied to the host) and the optimizer live in host memory; the
     device keeps what is gathered or computed, plus, while a unit is gathered, its shard copied over
-    for the all-gather."""
+    for the all-gather. `head_grad`: the loss's gradient term of the moment (the head's, formed on the
+    device and reduce-scattered with the root unit after backward): it stays, where the moment has it."""
     out = dict(phase)
-    for component in ("weights", "gradients", "optimizer", "optimizer_temp"):
+    for component in ("weights", "optimizer", "optimizer_temp"):
         if component in out:
             out[component] = 0
+    if "gradients" in out:
+        out["gradients"] = min(out["gradients"], head_grad)
     if "adapter" in out:
         out["adapter"] = adapter.copy
     if out.get("weight_copies"):
@@ -203,7 +208,8 @@ def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedg
     moments = backward_moments(ctx, phases["backward"], adapter, grads, acts, comm)
     offloaded = _offload(ctx) == "fsdp2"
     if offloaded:
-        moments = [_on_device_under_fsdp2_offload(ctx, m, adapter) for m in moments]
+        head_grad = loss.by_phase["backward_grads"]
+        moments = [_on_device_under_fsdp2_offload(ctx, m, adapter, head_grad) for m in moments]
     phases["backward"] = max(moments, key=lambda c: sum(c.values()))
     if not T.in_backward(ctx):  # optim.step_in_backward: the updates ran in backward (plan/backward.py)
         phases["optimizer"] = {
@@ -222,7 +228,7 @@ def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedg
     if offloaded:
         for name in ("load", "forward", "optimizer", "evaluate", "save"):
             if name in phases:
-                phases[name] = _on_device_under_fsdp2_offload(ctx, phases[name], adapter)
+                phases[name] = _on_device_under_fsdp2_offload(ctx, phases[name], adapter, 0)
     return _device_ledger(r, rank, phases, runtime, explain, details, offload_bytes=host_bytes)
 
 

@@ -52,16 +52,26 @@ class DistEnv:
         return out
 
 
-def init(timeout_s: int = 600) -> DistEnv:
+def backend(device: torch.device, host_tensors: bool = False) -> str:
+    """NCCL on CUDA, gloo on the CPU. host_tensors: some collectives run on tensors in host memory
+    (FSDP2's CPUOffloadPolicy: gradient clipping's norm, full tensors of the CPU shards), which
+    NCCL cannot take: gloo serves those beside NCCL."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if host_tensors else "nccl"
+
+
+def init(timeout_s: int = 600, *, host_tensors: bool = False) -> DistEnv:
     """Join the torchrun job if there is one (WORLD_SIZE > 1), else a single process. A collective
-    that waits `timeout_s` for a peer raises on the waiting ranks (see `peer_timeout`)."""
+    that waits `timeout_s` for a peer raises on the waiting ranks (see `peer_timeout`).
+    host_tensors: see `backend`."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend(device, host_tensors), timeout=timedelta(seconds=timeout_s))
     return DistEnv(rank=rank, world=world, local_rank=local, device=device)
 
 
@@ -73,9 +83,12 @@ def join_alone(env: DistEnv, timeout_s: int = 600) -> None:
     a mesh. Its store is in memory: no port, no network."""
     global _OWN_GROUP
     if env.world == 1 and not dist.is_initialized():
-        backend = "nccl" if env.device.type == "cuda" else "gloo"
         dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=timeout_s)
+            backend(env.device, host_tensors=True),
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=timedelta(seconds=timeout_s),
         )
         _OWN_GROUP = True
 

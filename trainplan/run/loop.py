@@ -36,7 +36,7 @@ def run(
     quiet: no progress at all. progress: the caller's reporter (accept's, for its runs); by
     default the run has its own, at train.log_every / log_every_s, on the main rank. bill: the
     plan's per-rank needs of a resolved config, checked by every rank's preflight (setup.prepare)."""
-    env = dist.init(cfg.parallel.timeout_s)
+    env = dist.init(cfg.parallel.timeout_s, host_tensors=cfg.parallel.offload_optimizer)
     require(cfg.train.report_to)  # a logger whose package is missing is refused before anything is created
     own = progress is None or quiet or not env.is_main
     if own:
@@ -67,13 +67,15 @@ def run(
                 f"answer ({str(e).splitlines()[0][:160]}); find the stuck or dead rank, or raise parallel.timeout_s"
             ) from None
         raise
-    finally:  # on every path: event files flushed, the heartbeat stopped, a one-rank group left
-        dist.leave_alone()
-        trackers.close(status)
-        if own:
-            progress.close(ok=status != "error")
-        for lock in job.locks if job else ():
-            lock.release()
+    finally:  # on every path: event files flushed, the heartbeat stopped, the locks released, a one-rank group left
+        try:
+            trackers.close(status)
+            if own:
+                progress.close(ok=status != "error")
+        finally:
+            for lock in job.locks if job else ():
+                lock.release()
+            dist.leave_alone()
 
 
 def _conclude(trainer: Trainer, cfg: C.RunConfig, env: dist.DistEnv, t_start: float) -> record.RunRecord:

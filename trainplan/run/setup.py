@@ -13,7 +13,7 @@ import torch
 from trainplan import config as C
 from trainplan.files import DirLock, require_writable
 from trainplan.resolve import Resolved, require_runnable, resolve
-from trainplan.run import data, dist, guard, measure, preflight, step, weights
+from trainplan.run import build, data, dist, guard, measure, preflight, step, weights
 from trainplan.run.checkpoint.manager import checkpoint_root, refuse_foreign
 from trainplan.run.progress import Progress
 from trainplan.run.record import device_label
@@ -227,7 +227,8 @@ def train_state(job: Job, model: torch.nn.Module) -> TrainState:
         o.implementation,
         o.lr,
         o.weight_decay,
-        env.device.type,
+        # FSDP2's CPUOffloadPolicy: the parameters, so the step, are in host memory (the plan's host column)
+        "cpu" if build.parameters_on_host(job.resolved.dims) else env.device.type,
         zero1=zero1,
         in_backward=o.step_in_backward,
     )
