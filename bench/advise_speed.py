@@ -1,11 +1,12 @@
 """How fast is `trainplan advise`: candidate configurations planned per second.
 
 Run: .venv/bin/python bench/advise_speed.py [--write-doc]   (--write-doc rewrites the table in docs/advise.md)
-     .venv/bin/python bench/advise_speed.py --against d8f10df   (side by side with the search before issue 22)
+     .venv/bin/python bench/advise_speed.py --against d8f10df [--cases 0,1,2]   (side by side with an
+     older search, interleaved: per-round ratios; the machine's speed drifts by 2x over minutes)
 
 Target (issue 22): the 70B search on 8 x A100 (>= 1,000 candidates) under 1.0 s median in-process
-and under 1.5 s CLI wall, on the 2-core dev machine; every case under 1.0 s. Every candidate is a
-full `plan()`; the search time covers enumerating the ladder, planning every rung at micro-batch 1
+and under 1.5 s CLI wall, on the 2-core dev machine; every case under 1.0 s. Every candidate is
+planned (a check of the micro-batch binary search stops at the first device over); the search time covers enumerating the ladder, planning every rung at micro-batch 1
 and binary-searching its largest micro-batch, the step-time estimates and, when nothing fits, the
 search for what would. Model loading (a preset's JSON) is outside it; the CLI wall includes
 everything (interpreter start, imports, printing). tests/test_advise_snapshots.py runs these cases
@@ -53,7 +54,7 @@ def label(case: tuple) -> str:
     return f"{what} on {count} x {kind}, seq {seq}, batch {batch}"
 
 
-# One side of --against: the 70B case's search, 3 times in one process, as JSON seconds.
+# One side of --against: one case's search, 3 times in one process, as JSON seconds.
 _SIDE = """
 import json, sys, time
 from trainplan import cli
@@ -69,14 +70,14 @@ print(json.dumps(seconds))
 """
 
 
-def against(rev: str, rounds: int) -> str:
-    """The 70B search here and at `rev` (a git worktree in a temporary directory), alternating one
+def against(rev: str, rounds: int, case: int = CLI_CASE) -> str:
+    """One case's search here and at `rev` (a git worktree in a temporary directory), alternating one
     process per side per round; the ratio of the two medians in each round, then their median."""
     import json
     import tempfile
 
     repo = Path(__file__).parents[1]
-    argv_json = json.dumps([*argv(CASES[CLI_CASE]), "--registry", "off"])
+    argv_json = json.dumps([*argv(CASES[case]), "--registry", "off"])
     with tempfile.TemporaryDirectory() as tmp:
         other = Path(tmp) / "other"
         subprocess.run(["git", "-C", str(repo), "worktree", "add", "-q", "--detach", str(other), rev], check=True)
@@ -92,7 +93,7 @@ def against(rev: str, rounds: int) -> str:
             subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(other)], check=False)
     ratios = [t / o for t, o in zip(theirs, ours, strict=True)]
     return (
-        f"{label(CASES[CLI_CASE])}: {rev} median {statistics.median(theirs):.3f} s, this tree "
+        f"{label(CASES[case])}: {rev} median {statistics.median(theirs):.3f} s, this tree "
         f"{statistics.median(ours):.3f} s; per-round ratio median {statistics.median(ratios):.2f} "
         f"(n={rounds}, {min(ratios):.2f}-{max(ratios):.2f})"
     )
@@ -106,9 +107,11 @@ def main() -> None:
         "--against", metavar="REV", help="also time the 70B search at git revision REV, interleaved: per-round ratio"
     )
     ap.add_argument("--rounds", type=int, default=5, help="rounds of --against (each: one process per side)")
+    ap.add_argument("--cases", default=str(CLI_CASE), help="--against: the cases' indices, comma-separated")
     opts = ap.parse_args()
     if opts.against:
-        print(against(opts.against, opts.rounds))
+        for case in map(int, opts.cases.split(",")):
+            print(against(opts.against, opts.rounds, case), flush=True)
         return
 
     from trainplan import cli
@@ -149,7 +152,7 @@ def main() -> None:
             BEGIN,
             f"Command: `.venv/bin/python bench/advise_speed.py --write-doc` ({datetime.date.today()}, "
             f"{os.cpu_count()} CPUs, load average {load:.1f} at the end; median of {opts.repeat} searches "
-            "each; every candidate is a full `plan()`).",
+            "each; every candidate is planned, a binary-search check up to the first device over its budget).",
             "",
             "| case | rungs | candidates planned | fit | search, median | range | per candidate | target 1.0 s |",
             "|---|---:|---:|---:|---:|---:|---:|---|",
