@@ -16,6 +16,7 @@ import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from trainplan import config as C
 from trainplan.errors import TrainplanError
@@ -71,10 +72,15 @@ def matmul_params(spec: ModelSpec) -> int:
 
 
 def adapter_params(spec: ModelSpec, r: int, targets: list[str]) -> int:
-    """LoRA A (r x in) and B (out x r) for every targeted linear layer of every decoder layer."""
-    targets = spec.lora_modules(targets)  # "attention" / "all-linear" expanded, however targets came
-    per_layer = sum(r * (lin.in_features + lin.out_features) for lin in spec.layer_linears if lin.module in targets)
-    return per_layer * spec.num_layers
+    """LoRA A (r x in) and B (out x r) for every targeted linear layer of every decoder layer (once
+    per model, rank and targets: the advisor asks for every candidate)."""
+    key = ("adapter_params", r, tuple(targets))
+    if key not in spec.memo:
+        targets = spec.lora_modules(targets)  # "attention" / "all-linear" expanded, however targets came
+        layer_linears = spec.layer_linears
+        per_layer = sum(r * (lin.in_features + lin.out_features) for lin in layer_linears if lin.module in targets)
+        spec.memo[key] = per_layer * spec.num_layers
+    return spec.memo[key]
 
 
 def flops_per_token(r: Resolved) -> float:
@@ -152,6 +158,41 @@ def tensor_parallel_bytes(r: Resolved) -> float:
     return r.batch.grad_accum_steps * layers * 2 * passes * 2 * (tp - 1) / tp * per_micro
 
 
+class _Devices(NamedTuple):
+    """What the step-time estimate takes from the devices, the same for every candidate on them."""
+
+    mfu: tuple[tuple[str, float], ...]  # per device name
+    source: tuple[tuple[str, str], ...]  # "calibrated" | "assumed"
+    flops_rates: tuple[float | None, ...]  # FLOP/s at that MFU, per device name (None: no peak)
+    link_gbps: float | None  # the slowest data-parallel link (None: a device without one)
+    tp_link_gbps: float | None  # the slowest link within a node
+
+
+@functools.lru_cache(maxsize=256)
+def _devices(devices: tuple[DeviceSpec, ...], world: int, calibration: tuple, qlora: bool) -> _Devices:
+    calibrated = dict(calibration)
+    cpu_count = sum(1 for d in devices if d.kind == "cpu")
+    mfu, source, rates = {}, {}, []
+    for d in {d.name: d for d in devices}.values():
+        if d.name in calibrated:
+            mfu[d.name], source[d.name] = calibrated[d.name], "calibrated"
+        else:
+            mfu[d.name], source[d.name] = default_mfu(d), "assumed"
+        peak = peak_tflops(d, cpu_count)
+        eff = mfu[d.name] * (QLORA_EFFICIENCY if qlora else 1.0)
+        rates.append(peak * 1e12 * eff if peak else None)
+    links = [_link_gbps(d, world, cross_node=True) for d in devices]
+    tp_links = [_link_gbps(d, world, cross_node=False) for d in devices]
+    missing = None in links or None in tp_links
+    return _Devices(
+        mfu=tuple(mfu.items()),
+        source=tuple(source.items()),
+        flops_rates=tuple(rates),
+        link_gbps=None if missing else min(links),
+        tp_link_gbps=None if missing else min(tp_links),
+    )
+
+
 def estimate(r: Resolved, calibration: dict[str, float] | None = None) -> StepEstimate:
     """Seconds per optimizer step (inference: per forward over the global batch).
 
@@ -160,30 +201,21 @@ def estimate(r: Resolved, calibration: dict[str, float] | None = None) -> StepEs
     takes the longer of the two; tensor-parallel all-reduces sit on the critical path and add; the
     1F1B pipeline adds its bubble, (pp - 1) / micro-batches of the compute (Narayanan et al. 2021).
     """
-    calibration = calibration or {}
     cfg, dims, batch = r.cfg, r.dims, r.batch
     fpt = flops_per_token(r)
     flops_per_rank = fpt * batch.tokens_per_step / dims.world_size
-    cpu_count = sum(1 for d in r.devices if d.kind == "cpu")
-    mfu, source, times = {}, {}, []
-    for d in {d.name: d for d in r.devices}.values():
-        if d.name in calibration:
-            mfu[d.name], source[d.name] = calibration[d.name], "calibrated"
-        else:
-            mfu[d.name], source[d.name] = default_mfu(d), "assumed"
-        peak = peak_tflops(d, cpu_count)
-        eff = mfu[d.name] * (QLORA_EFFICIENCY if cfg.mode == "qlora" else 1.0)
-        times.append(flops_per_rank / (peak * 1e12 * eff) if peak else None)
+    calibrated = tuple(sorted((calibration or {}).items()))
+    devices = _devices(tuple(r.devices), dims.world_size, calibrated, cfg.mode == "qlora")
+    mfu, source = dict(devices.mfu), dict(devices.source)
+    times = [flops_per_rank / rate if rate else None for rate in devices.flops_rates]
     compute = None if None in times else max(times)
-    links = [_link_gbps(d, dims.world_size, cross_node=True) for d in r.devices]
-    tp_links = [_link_gbps(d, dims.world_size, cross_node=False) for d in r.devices]
     dp_s = tp_s = pp_s = 0.0
-    if dims.world_size > 1 and (None in links or None in tp_links):
+    if dims.world_size > 1 and devices.link_gbps is None:
         compute = None  # a generic GPU: no link bandwidth to estimate with
     elif dims.world_size > 1:
-        bw = min(links) * 1e9
+        bw = devices.link_gbps * 1e9
         dp_s = data_parallel_bytes(r) / bw
-        tp_s = tensor_parallel_bytes(r) / (min(tp_links) * 1e9)
+        tp_s = tensor_parallel_bytes(r) / (devices.tp_link_gbps * 1e9)
         if dims.pp > 1:
             sends = 2 * batch.grad_accum_steps * batch.micro_batch_size * batch.seq_len * r.spec.hidden_size
             pp_s = sends * r.precision.compute_bytes / bw
