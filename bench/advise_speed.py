@@ -6,11 +6,13 @@ Run: .venv/bin/python bench/advise_speed.py [--write-doc]   (--write-doc rewrite
 
 Target (issue 22): the 70B search on 8 x A100 (>= 1,000 candidates) under 1.0 s median in-process
 and under 1.5 s CLI wall, on the 2-core dev machine; every case under 1.0 s. Every candidate is
-planned (a check of the micro-batch binary search stops at the first device over); the search time covers enumerating the ladder, planning every rung at micro-batch 1
-and binary-searching its largest micro-batch, the step-time estimates and, when nothing fits, the
-search for what would. Model loading (a preset's JSON) is outside it; the CLI wall includes
-everything (interpreter start, imports, printing). tests/test_advise_snapshots.py runs these cases
-and holds their ranked lists byte for byte; tests/test_advise.py checks the doc's counts.
+planned (a check of the micro-batch binary search stops at the first device over). The search time
+covers enumerating the ladder, planning every rung at micro-batch 1 and binary-searching its
+largest micro-batch, the step-time estimates and, when nothing fits, the search for what would.
+Model loading (a preset's JSON) is outside it; the CLI wall includes everything (interpreter
+start, imports, printing). The machine's speed is printed beside the figures (a fixed Python loop).
+tests/test_advise_snapshots.py runs these cases and holds their ranked lists byte for byte;
+tests/test_advise.py checks the doc's counts.
 """
 
 from __future__ import annotations
@@ -45,6 +47,15 @@ def argv(case: tuple) -> list[str]:
 
 def argvs() -> list[list[str]]:
     return [argv(c) for c in CASES]
+
+
+def machine_speed() -> float:
+    """Seconds for a fixed pure-Python loop (10M additions): this machine's speed drifts by 2x over
+    hours, so the table says how fast it was while measured."""
+    t0, total = time.perf_counter(), 0
+    for i in range(10_000_000):
+        total += i
+    return time.perf_counter() - t0
 
 
 def label(case: tuple) -> str:
@@ -118,6 +129,7 @@ def main() -> None:
     from trainplan.advise.search import search, what_would_fit
     from trainplan.commands.advise import request_from_args
 
+    before = machine_speed()
     rows = []
     for case in CASES:
         request = request_from_args(cli.build_parser().parse_args([*argv(case), "--registry", "off"]))
@@ -146,12 +158,14 @@ def main() -> None:
     cli_verdict = "met" if wall < TARGET_CLI_S else "MISSED"
     print(f"\nCLI wall, {label(CASES[CLI_CASE])} (median of 5): {wall:.2f} s  {cli_verdict}")
 
+    speed = f"a 10M-iteration Python loop took {before:.2f} s before and {machine_speed():.2f} s after"
+    print(f"machine: {speed}")
     if opts.write_doc:
         load = os.getloadavg()[0]
         lines = [
             BEGIN,
             f"Command: `.venv/bin/python bench/advise_speed.py --write-doc` ({datetime.date.today()}, "
-            f"{os.cpu_count()} CPUs, load average {load:.1f} at the end; median of {opts.repeat} searches "
+            f"{os.cpu_count()} CPUs, load average {load:.1f} at the end, {speed}; median of {opts.repeat} searches "
             "each; every candidate is planned, a binary-search check up to the first device over its budget).",
             "",
             "| case | rungs | candidates planned | fit | search, median | range | per candidate | target 1.0 s |",
