@@ -328,7 +328,9 @@ class ParallelConfig:
     strategy: str = "ddp"  # how data-parallel replicas share state; irrelevant at dp=1
     tp: int = 1  # tensor-parallel degree (plan only; train runs tp = 1)
     pp: int = 1  # pipeline-parallel degree (plan only; train runs pp = 1)
-    offload_optimizer: bool = False  # optimizer states in host memory (plan only)
+    # parameter shards, gradients and the optimizer step in host memory (FSDP2 CPUOffloadPolicy; planned as
+    # ZeRO-Offload for ddp / zero1 / zero2, which train refuses)
+    offload_optimizer: bool = False
     # a collective that waits this long for a peer ends every waiting rank with an error naming it
     # (torch's default is 30 minutes)
     timeout_s: int = 600
@@ -351,9 +353,18 @@ class MemoryConfig:
     # matmul and attention outputs (recomputes the norms, activations and RoPE: less recompute, more memory)
     checkpointing_policy: str = "full"
     attention: str = "auto"  # auto: sdpa where transformers supports it for the model, else eager
+    # the saved tensors of the layers not checkpointed go to host memory in forward and come back for
+    # backward: false | true | "pinned" (page-locked host buffers: faster copies, rounded up by the allocator)
+    offload_activations: bool | str = False
 
     def __post_init__(self) -> None:
         _choice("memory", "attention", self.attention, ATTENTIONS)
+        if not (isinstance(self.offload_activations, bool) or self.offload_activations == "pinned"):
+            raise ConfigError(
+                "memory.offload_activations",
+                f"unknown value {self.offload_activations!r}",
+                'use false, true, or "pinned"',
+            )
         _choice("memory", "checkpointing_policy", self.checkpointing_policy, ("full", "selective"))
         ac = self.activation_checkpointing
         if isinstance(ac, str) and ac in ("none", "full"):

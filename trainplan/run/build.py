@@ -14,7 +14,7 @@ from torch import nn
 from trainplan.config import RunConfig
 from trainplan.errors import ConfigError, TrainplanError
 from trainplan.resolve import with_lora_modules
-from trainplan.run import loss, qlora
+from trainplan.run import loss, offload, qlora
 from trainplan.spec.model import ModelSpec, fused_loss_applies
 from trainplan.spec.parallel import ParallelDims
 from trainplan.spec.precision import Precision
@@ -147,8 +147,13 @@ def build_model(
     tp = dims.tp if dims is not None else 1
     if fused_loss_applies(spec, enabled=cfg.train.fused_loss, mode=cfg.mode, tp=tp):
         loss.install(model, cfg.train.loss_chunk_tokens)
-    if cfg.memory.activation_checkpointing is not False and cfg.mode != "inference":
-        checkpoint_layers(model, spec, cfg.memory.activation_checkpointing, cfg.memory.checkpointing_policy)
+    ac = cfg.memory.activation_checkpointing
+    if ac is not False and cfg.mode != "inference":
+        checkpoint_layers(model, spec, ac, cfg.memory.checkpointing_policy)
+    if cfg.memory.offload_activations and cfg.mode != "inference":  # the layers not checkpointed
+        offload.install(
+            model, decoder_layers(model)[spec.num_layers if ac is True else int(ac) :], cfg.memory.offload_activations
+        )
     if cfg.mode != "inference":
         model.train()
     if dims is not None and dims.shards_params:

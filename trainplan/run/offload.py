@@ -1,0 +1,147 @@
+"""memory.offload_activations: the saved tensors of the decoder layers that are not checkpointed go
+to host memory as forward saves them, and come back to the device for the backward that uses them.
+
+torch's saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`), the mechanism of
+`torch.autograd.graph.save_on_cpu`, with three differences the plan relies on (plan/terms.py
+`activations`):
+- a parameter, or a view or autocast copy of one, stays where it is: it is no activation, and the
+  device keeps it anyway (save_on_cpu would copy every layer's weights to the host on every step);
+- a layer's inputs other than its hidden states (rotary cos/sin, the mask) stay: every layer shares
+  them;
+- a storage is copied once per layer however many of its views are saved, whole, so the host holds
+  what the device would have (a view that keeps a larger tensor alive keeps all of it).
+
+On the CPU the host is the device: the hooks pass each tensor through and only count its bytes, the
+figure the plan's `activation_offload_bytes` predicts. `copy_on_host=True` copies there too (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# autograd nodes that make a view or a copy of their one input: a saved tensor whose history reaches
+# a parameter through these alone is that parameter's (a transposed weight, autocast's bf16 copy)
+_VIEW_OR_CAST = frozenset(
+    {
+        "TBackward0",
+        "ToCopyBackward0",
+        "ViewBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "ExpandBackward0",
+        "AliasBackward0",
+        "UnsafeViewBackward0",
+    }
+)
+_ATTR = "_trainplan_activation_offload"
+
+
+def _of_parameter(t: torch.Tensor) -> bool:
+    fn = t.grad_fn
+    while fn is not None and type(fn).__name__ in _VIEW_OR_CAST:
+        parents = [f for f, _ in fn.next_functions if f is not None]
+        if len(parents) != 1:
+            return False
+        fn = parents[0]
+        if type(fn).__name__ == "AccumulateGrad":
+            return True
+    return False
+
+
+class ActivationOffload:
+    """The hooks on a model's decoder layers. `peak_bytes`: the most one forward passed to the host
+    (each micro-batch's backward releases its own before the next forward)."""
+
+    def __init__(self, *, pin_memory: bool, copy_on_host: bool = False) -> None:
+        self.pin_memory = pin_memory
+        self.copy_on_host = copy_on_host
+        self.forward_bytes = 0  # this forward's, so far
+        self.peak_bytes = 0
+        self._first: nn.Module | None = None
+        self._stack: list = []
+
+    def install(self, layers: list[nn.Module]) -> None:
+        if not layers:
+            return
+        self._first = layers[0]
+        for layer in layers:
+            layer.register_forward_pre_hook(self._enter, with_kwargs=True)
+            layer.register_forward_hook(self._exit, always_call=True)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = 0
+
+    def _enter(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
+        if layer is self._first:
+            self.forward_bytes = 0
+        # the layer's inputs but the hidden states stay on the device, and so do its own parameters:
+        # those are read at its first saved tensor, when FSDP2 has gathered them
+        stay: set[int] = set()
+        inputs = [*args[1:], *kwargs.values()] if args else [v for k, v in kwargs.items() if k != "hidden_states"]
+        for value in inputs:
+            for t in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(t, torch.Tensor):
+                    stay.add(t.untyped_storage().data_ptr())
+        packed: dict[int, tuple] = {}  # storage -> (the device tensor, its host copy), for this layer's forward
+        params: list[set[int]] = []
+
+        def pack(t: torch.Tensor):
+            if not params:
+                params.append(stay | {p.untyped_storage().data_ptr() for p in layer.parameters()})
+            return self._pack(t, params[0], packed)
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
+        hooks.__enter__()
+        self._stack.append((hooks, packed))
+
+    def _exit(self, layer: nn.Module, args, output) -> None:
+        hooks, packed = self._stack.pop()
+        hooks.__exit__(None, None, None)
+        packed.clear()  # the device copies this layer's forward saved are the device's to free now
+
+    def _pack(self, t: torch.Tensor, stay: set[int], packed: dict):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if isinstance(t, nn.Parameter) or key in stay or _of_parameter(t):
+            return t
+        if key not in packed:
+            # the device tensor is held until the layer's forward ends, so no later tensor of this
+            # forward can take its address and be mistaken for it
+            self.forward_bytes += storage.nbytes()
+            self.peak_bytes = max(self.peak_bytes, self.forward_bytes)
+            host = storage
+            if t.device.type != "cpu" or self.copy_on_host:
+                pin = self.pin_memory and t.device.type == "cuda"
+                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin).untyped_storage()
+                host.copy_(storage, non_blocking=pin)
+            packed[key] = (t, host)
+        host = packed[key][1]
+        return host, t.device, t.dtype, t.shape, t.stride(), t.storage_offset(), t.requires_grad
+
+    def _unpack(self, saved):
+        if isinstance(saved, torch.Tensor):
+            return saved
+        host, device, dtype, shape, stride, offset, _ = saved
+        storage = host
+        if device.type != "cpu" or self.copy_on_host:
+            storage = torch.UntypedStorage(host.nbytes(), device=device)
+            storage.copy_(host, non_blocking=self.pin_memory and device.type == "cuda")
+        return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
+
+
+def install(model: nn.Module, layers: list[nn.Module], setting: bool | str) -> ActivationOffload:
+    """Offload the saved tensors of `layers` (those not checkpointed); setting: true or "pinned"."""
+    offload = ActivationOffload(pin_memory=setting == "pinned")
+    offload.install(layers)
+    setattr(model, _ATTR, offload)
+    return offload
+
+
+def of(model: nn.Module) -> ActivationOffload | None:
+    """The model's activation offload, through DDP's and PEFT's wrappers; None where it has none."""
+    for m in (model, getattr(model, "module", None)):
+        found = getattr(m, _ATTR, None) if m is not None else None
+        if found is not None:
+            return found
+    return None
