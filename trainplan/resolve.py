@@ -102,6 +102,18 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
             "nothing: the host is the device)",
             'set parallel.strategy = "zero3" or "fsdp-grad-op", or parallel.offload_optimizer = false',
         )
+    if cfg.memory.offload_activations and cfg.mode == "inference":
+        raise ConfigError(
+            "memory.offload_activations",
+            "inference saves no activations for a backward",
+            "set memory.offload_activations = false",
+        )
+    if cfg.memory.offload_activations and cfg.memory.activation_checkpointing is True:
+        raise ConfigError(
+            "memory.offload_activations",
+            "every layer is checkpointed (memory.activation_checkpointing = true): no layer is left to offload",
+            'checkpoint fewer layers (a number, or "auto") or set memory.offload_activations = false',
+        )
     if spec.learned_positions and cfg.batch.seq_len > spec.learned_positions:
         raise ConfigError(
             "batch.seq_len",

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainplan.errors import ConfigError
+from trainplan.errors import ConfigError, TrainplanError
 from trainplan.plan.analytic import plan
 from trainplan.spec.devices import GiB
 
@@ -267,6 +267,60 @@ def test_offload_on_the_cpu_runs_through_fsdp2_and_moves_nothing(make_cfg):
     r = resolve(make_cfg(model__source="tiny-llama", hardware__gpus="2xA100-80GB", parallel__offload_optimizer=True))
     with pytest.raises(NotRunnable, match=r"offload is planned as DeepSpeed's ZeRO-Offload but not run"):
         require_runnable(r.cfg, r.dims, cuda=True)
+
+
+def test_activation_offload_moves_the_saved_layers_to_the_host(make_cfg):
+    """memory.offload_activations on a GPU: the layers not checkpointed keep one layer's saved tensors on
+    the device (forming in forward, back for backward); the rest is the host column's activations,
+    rounded up per tensor to a power of two in page-locked buffers. The head and the loss stay."""
+    from trainplan.plan import terms as T
+    from trainplan.resolve import resolve
+
+    settings = {
+        "model__source": "Llama-3.1-8B",
+        "mode": "lora",
+        "hardware__gpus": "H100-80GB",
+        "hardware__host_mem": "1TiB",
+    }
+    settings |= {"batch__seq_len": 4096, "batch__micro_batch_size": 2}
+    plain = plan(make_cfg(**settings))
+    moved = plan(make_cfg(**settings, memory__offload_activations=True))
+    pinned = plan(make_cfg(**settings, memory__offload_activations="pinned"))
+    half = plan(make_cfg(**settings, memory__offload_activations=True, memory__activation_checkpointing=16))
+    ctx = T.rank_context(resolve(make_cfg(**settings)), 0)
+    layer, first = T._layer_saved_bytes(ctx), T._layer_saved_bytes(ctx, input_requires_grad=False)
+    dev = moved.devices[0]
+    # 32 layers, the first one's input needing no gradient under LoRA
+    assert dev.offloaded_activation_bytes == 31 * layer + first == dev.host_activation_bytes
+    assert moved.host.phases["forward"] == {"activations": dev.host_activation_bytes}
+    saved = plain.devices[0].phases["forward"]["activations"] - dev.phases["forward"]["activations"]
+    assert saved == 30 * layer + first  # one layer's stays
+    assert dev.peak_allocated < plain.devices[0].peak_allocated - 25 * 2**30
+    assert pinned.devices[0].phases == dev.phases
+    assert dev.host_activation_bytes < pinned.host.peak_allocated < 2 * dev.host_activation_bytes
+    # checkpointing the first 16 layers: each keeps its input on the device; the other 16 are offloaded
+    assert half.devices[0].offloaded_activation_bytes == 16 * layer
+    assert (
+        "offloaded activations" in moved.host.role and "memory.offload_activations" in moved.host.explain["activations"]
+    )
+
+
+def test_activation_offload_on_the_cpu_moves_nothing_and_is_refused_where_it_has_nothing_to_do(make_cfg):
+    from trainplan.plan.traced import trace
+
+    settings = {"model__source": "tiny-llama", "hardware__gpus": "cpu"}
+    plain, moved = plan(make_cfg(**settings)), plan(make_cfg(**settings, memory__offload_activations=True))
+    assert moved.host is None and [d.phases for d in moved.devices] == [d.phases for d in plain.devices]
+    assert moved.devices[0].offloaded_activation_bytes > 0  # the hooks' bytes, which stay
+    assert "the host being the device" in moved.devices[0].explain["activations"]
+    with pytest.raises(ConfigError, match=r"memory\.offload_activations: inference saves no activations"):
+        plan(make_cfg(**settings, mode="inference", memory__offload_activations=True))
+    with pytest.raises(ConfigError, match=r"memory\.offload_activations: every layer is checkpointed"):
+        plan(make_cfg(**settings, memory__offload_activations=True, memory__activation_checkpointing=True))
+    with pytest.raises(ConfigError, match=r"memory\.offload_activations: unknown value 'yes'.*\"pinned\""):
+        make_cfg(**settings, memory__offload_activations="yes")
+    with pytest.raises(TrainplanError, match=r"memory\.offload_activations: the trace runs on one fake device"):
+        trace(make_cfg(model__source="tiny-llama", hardware__gpus="H100-80GB", memory__offload_activations=True))
 
 
 def test_bf16_on_v100_is_refused_with_the_fix(make_cfg):

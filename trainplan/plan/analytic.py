@@ -229,7 +229,9 @@ def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedg
         for name in ("load", "forward", "optimizer", "evaluate", "save"):
             if name in phases:
                 phases[name] = _on_device_under_fsdp2_offload(ctx, phases[name], adapter, 0)
-    return _device_ledger(r, rank, phases, runtime, explain, details, offload_bytes=host_bytes)
+    led = _device_ledger(r, rank, phases, runtime, explain, details, offload_bytes=host_bytes)
+    led.offloaded_activation_bytes, led.host_activation_bytes = acts.offloaded, acts.host
+    return led
 
 
 def _label(device: DeviceSpec, rank: int) -> str:
@@ -452,7 +454,7 @@ def plan_resolved(r: Resolved, memo: dict | None = None) -> Ledger:
         ledgers.append(
             bills[key].for_rank(label=_label(device, rank), device=device, role=_role(r.dims, rank), rank=rank)
         )
-    offloaded = r.dims.offload_optimizer and any(led.offload_bytes for led in ledgers)  # none on the CPU
+    offloaded = any(led.offload_bytes or led.host_activation_bytes for led in ledgers)  # none on the CPU
     host = _host_ledger(r.cfg, ledgers, fsdp2=r.dims.shards_params) if offloaded else None
     return Ledger(model=r.spec.summary(), settings=_settings(r), devices=ledgers, host=host, notes=_notes(r))
 
@@ -464,7 +466,7 @@ def fits_resolved(r: Resolved, memo: dict) -> bool:
     from trainplan.plan import derived
 
     r = derived.attach(r)
-    if r.dims.offload_optimizer:  # the host's bill sums every rank's
+    if r.dims.offload_optimizer or r.cfg.memory.offload_activations:  # the host's bill sums every rank's
         return plan_resolved(r, memo).fits
     seen = set()
     for rank, key in _bill_keys(r.dims, tuple(r.devices), r.training):
@@ -501,24 +503,44 @@ def _bill(r: Resolved, rank: int, key: tuple, memo: dict | None) -> DeviceLedger
 
 
 def _host_ledger(cfg: C.RunConfig, ledgers: list[DeviceLedger], *, fsdp2: bool) -> DeviceLedger:
-    """Host memory under optimizer offload: what every rank on the node keeps there."""
+    """Host memory under offload: what every rank on the node keeps there. The offloaded activations
+    are there at the end of forward (backward releases them layer by layer) beside the optimizer's
+    bytes, which include the step's temporaries: their sum bounds the host's peak from above."""
     host_cap = parse_size(cfg.hardware.host_mem, "hardware.host_mem") if cfg.hardware.host_mem else host_memory_bytes()
     host_dev = DeviceSpec(name="host RAM", kind="cpu", capacity_bytes=host_cap, bf16=True, peak_tflops=None)
     offloaded = sum(led.offload_bytes for led in ledgers)
-    what = (
-        "the parameter shards, their gradients, optimizer states and step temporaries of every rank on this node "
-        "(FSDP2 CPUOffloadPolicy)"
-        if fsdp2
-        else "optimizer states, their step temporaries and a gradient copy of every rank on this node"
-    )
+    activations = sum(led.host_activation_bytes for led in ledgers)
+    explain = {}
+    if offloaded:
+        explain["optimizer"] = (
+            "the parameter shards, their gradients, optimizer states and step temporaries of every rank on this node "
+            "(FSDP2 CPUOffloadPolicy)"
+            if fsdp2
+            else "optimizer states, their step temporaries and a gradient copy of every rank on this node"
+        )
+    if activations:
+        pinned = (
+            " in page-locked buffers, each rounded up to a power of two"
+            if cfg.memory.offload_activations == "pinned"
+            else ""
+        )
+        explain["activations"] = (
+            f"the saved tensors of the layers not checkpointed, every rank's on this node{pinned} "
+            "(memory.offload_activations)"
+        )
+    roles = [what for what, n in (("optimizer", offloaded), ("activations", activations)) if n]
     return DeviceLedger(
         label="host",
         device=host_dev,
-        role="offloaded optimizer (all ranks)",
-        phases={"optimizer": {"optimizer": offloaded}},
+        role=f"offloaded {' and '.join(roles)} (all ranks)",
+        phases={
+            "forward" if activations else "optimizer": {
+                k: v for k, v in (("optimizer", offloaded), ("activations", activations)) if v
+            }
+        },
         runtime_bytes=0,
         reserve_fraction=0.0,
-        explain={"optimizer": what},
+        explain=explain,
     )
 
 

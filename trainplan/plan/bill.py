@@ -21,7 +21,7 @@ def preflight_bill(cfg: C.RunConfig) -> Bill:
     Host, per rank (a node's ranks add up):
     - a CPU rank: its device figure above (host memory is its device);
     - a GPU rank: the larger of what a checkpoint's resume reads into host memory and what saving the
-      result gathers there, plus the optimizer state the plan offloads to the host. A replicated
+      result gathers there, plus the optimizer state and activations the plan offloads to the host. A replicated
       checkpoint (no parameter sharding) is read whole on every rank: the rank's trainable tensors
       (full: weights; LoRA: the adapter) and optimizer state, as the plan bills them. DCP (sharded)
       reads and writes in place, a tensor at a time, so nothing whole. The main rank of a full
@@ -42,7 +42,7 @@ def preflight_bill(cfg: C.RunConfig) -> Bill:
         resume = 0 if r.dims.shards_params else _most(d, "adapter" if r.cfg.mode != "full" else "weights")
         resume += 0 if r.dims.shards_params else _most(d, "optimizer")
         result = r.spec.num_params * r.precision.param_bytes if rank == 0 and r.cfg.mode == "full" else 0
-        host_bytes.append(max(resume, result) + d.offload_bytes)
+        host_bytes.append(max(resume, result) + d.offload_bytes + d.host_activation_bytes)
     return Bill(device_bytes=tuple(device_bytes), host_bytes=tuple(host_bytes), source=f"the {ledger.source} plan")
 
 

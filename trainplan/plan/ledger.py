@@ -58,6 +58,10 @@ class DeviceLedger:
     details: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
     ranks: list[int] = field(default_factory=list)
     offload_bytes: int = 0  # what this rank keeps in host memory (optimizer offload)
+    # memory.offload_activations: what the hooks pass to the host per step (on the CPU too, where it stays),
+    # and what that holds in host memory (the host column; none on the CPU)
+    offloaded_activation_bytes: int = 0
+    host_activation_bytes: int = 0
     # The plan's known under-prediction for this architecture, a fraction of the peak (plan/accuracy.py):
     # kept free on top of the bill before the verdict says it fits.
     error_band: float = 0.0
@@ -171,7 +175,7 @@ class DeviceLedger:
             "largest_component": self.largest_component,
             "explain": self.explain,
             "details": {k: [{"name": n, "bytes": b} for n, b in v] for k, v in self.details.items()},
-        }
+        } | ({"offloaded_activation_bytes": self.offloaded_activation_bytes} if self.offloaded_activation_bytes else {})
 
 
 @dataclass(kw_only=True)

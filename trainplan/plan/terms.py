@@ -79,6 +79,7 @@ class RankContext:
     act: A.ActContext
     saved: dict  # `_saved`: one layer's saved tensors, its input requiring grad or not; "selective": kept bytes
     selective: bool  # memory.checkpointing_policy = "selective"
+    offload_acts: str  # memory.offload_activations while training: "" (off), "pageable" or "pinned"
 
     @property
     def spec(self) -> ModelSpec:
@@ -206,7 +207,12 @@ def rank_context(r: Resolved, rank: int, like: RankContext | None = None) -> Ran
         act=act,
         saved=_saved(spec, act),
         selective=cfg.memory.checkpointing_policy == "selective",
+        offload_acts=_offload_acts(cfg.memory.offload_activations) if r.training else "",
     )
+
+
+def _offload_acts(setting: bool | str) -> str:
+    return {False: "", True: "pageable", "pinned": "pinned"}[setting]
 
 
 def _batch_fields(r: Resolved, stage: int) -> dict:
@@ -563,6 +569,15 @@ class ActTerm(NamedTuple):
     kept: int  # what a checkpointed layer keeps: its input, and under selective checkpointing its matmul outputs
     step_inputs: int
     note: str
+    # memory.offload_activations: what the hooks pass to the host per step (the layers not checkpointed;
+    # on the CPU they stay, the host being the device), and what that holds in host memory
+    offloaded: int = 0
+    host: int = 0
+
+
+def _pinned(saved) -> int:
+    """Page-locked host buffers: CUDA's caching host allocator rounds each up to a power of two."""
+    return sum(1 << max(0, s.nbytes - 1).bit_length() for s in saved)
 
 
 def activations(ctx: RankContext) -> ActTerm:
@@ -573,9 +588,22 @@ def activations(ctx: RankContext) -> ActTerm:
     layer_in = ctx.tokens * spec.hidden_size * ctx.residual
     kept = layer_in + (ctx.saved["selective"] if ctx.selective else 0)  # per checkpointed layer
     saved_layers = ck * kept + (n_layers - ck) * per_layer_bytes
-    if ctx.first and not ctx.full and ck == 0:
+    first_plain = ctx.first and not ctx.full and ck == 0
+    if first_plain:
         # the frozen embedding's output needs no grad: layer 0's first norm saves nothing
         saved_layers += _layer_saved_bytes(ctx, input_requires_grad=False) - per_layer_bytes
+    offloaded = host = 0
+    if ctx.offload_acts and n_layers > ck:
+        offloaded = in_flight * (saved_layers - ck * kept)
+        if not ctx.cpu:  # the device keeps one layer's saved tensors: forming in forward, back for backward
+            saved_layers = ck * kept + per_layer_bytes
+            host = offloaded
+            if ctx.offload_acts == "pinned":
+                n_plain = n_layers - ck - (1 if first_plain else 0)
+                host = n_plain * _pinned(per_layer)
+                if first_plain:
+                    host += _pinned(_layer_saved(ctx, input_requires_grad=False))
+                host *= in_flight
     head_saved = A.head_saved(spec, act, lm_head_trainable=ctx.full and not ctx.fused) if ctx.last else []
     fwd = in_flight * (saved_layers + A.total(head_saved))
     bwd = fwd  # recomputation starts after the loss's backward; see backward_moments
@@ -600,6 +628,14 @@ def activations(ctx: RankContext) -> ActTerm:
         )
     else:
         note = f"{n_layers} layers x {plain}"
+    if offloaded:
+        moved = f"{n_layers - ck} layer(s) not checkpointed ({gib(offloaded)})"
+        note += (
+            f"; offloaded: the saved tensors of {moved} pass through the offload hooks and stay, the host being "
+            "the device"
+            if ctx.cpu
+            else f"; offloaded: the saved tensors of {moved} are in host memory, one layer's on the device at a time"
+        )
     step_inputs = A.step_inputs_bytes(spec, act)
     fwd += in_flight * step_inputs
     bwd += in_flight * step_inputs
@@ -618,6 +654,8 @@ def activations(ctx: RankContext) -> ActTerm:
         kept=kept,
         step_inputs=step_inputs,
         note=note,
+        offloaded=offloaded,
+        host=host,
     )
 
 

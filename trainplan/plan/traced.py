@@ -61,6 +61,11 @@ def _check_traceable(r: resolve.Resolved) -> None:
         raise TrainplanError(
             "optim.name: adamw-8bit needs bitsandbytes on CUDA and cannot be traced; use `trainplan plan` for it"
         )
+    if cfg.memory.offload_activations and r.devices[0].is_gpu:
+        raise TrainplanError(
+            "memory.offload_activations: the trace runs on one fake device and cannot tell host from GPU memory; "
+            "use `trainplan plan` (analytic), or `trainplan accept` to measure the run"
+        )
     if r.dims.tp > 1 or r.dims.pp > 1:
         raise TrainplanError(
             "parallel.tp/pp: the trace covers data parallelism (DDP, ZeRO, FSDP) only; "

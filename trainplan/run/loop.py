@@ -20,7 +20,7 @@ import torch
 
 from trainplan import config as C
 from trainplan.errors import TrainplanError
-from trainplan.run import contract, dist, evaluate, measure, preflight, record, result, step
+from trainplan.run import contract, dist, evaluate, measure, offload, preflight, record, result, step
 from trainplan.run.checkpoint.manager import CheckpointManager
 from trainplan.run.guard import StepGuard
 from trainplan.run.progress import Progress
@@ -252,10 +252,16 @@ class Trainer:
             )
         guard.begin(state.step + 1, ids)
         hooks = step.StepHooks(on_phase=meter.on_phase if meter else lambda phase: None, decide=guard, inject=inject)
+        moved = offload.of(self.model)  # memory.offload_activations: what its hooks pass to the host
+        if moved is not None:
+            moved.reset_peak()
         with meter or contextlib.nullcontext():
             res = step.train_step(self.model, state, micro, self.settings, token_count=tokens, hooks=hooks)
         if meter is not None:
-            self.record.memory = {"step": state.step + 1, "per_rank": env.gather(meter.result())}
+            result = meter.result()
+            if moved is not None:
+                result["offloaded_activation_bytes"] = moved.peak_bytes
+            self.record.memory = {"step": state.step + 1, "per_rank": env.gather(result)}
         dt = time.perf_counter() - t0
         entry = {
             "step": state.step + 1,

@@ -12,7 +12,7 @@ torch's saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`), the mec
   what the device would have (a view that keeps a larger tensor alive keeps all of it).
 
 On the CPU the host is the device: the hooks pass each tensor through and only count its bytes, the
-figure the plan's `activation_offload_bytes` predicts. `copy_on_host=True` copies there too (tests).
+figure the plan's `offloaded_activation_bytes` predicts. `copy_on_host=True` copies there too (tests).
 """
 
 from __future__ import annotations

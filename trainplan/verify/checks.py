@@ -96,6 +96,24 @@ def compare_memory(ledger, measured: list[dict], tolerance: float) -> tuple[list
                 )
                 if not rows[-1]["ok"]:
                     failures.append(rows[-1])
+        if "offloaded_activation_bytes" in m:  # memory.offload_activations: what the hooks passed to the host
+            p, g = dev.offloaded_activation_bytes, m["offloaded_activation_bytes"]
+            rows.append(
+                {
+                    "device": label,
+                    "phase": "forward",
+                    "component": "offloaded activations (to the host)",
+                    "components": ["activations"],
+                    "planned": p,
+                    "measured": g,
+                    "abs_error": p - g,
+                    "rel_error": (p - g) / g if g else None,
+                    "error_of_peak": (p - g) / g if g else 0.0,  # of the bytes moved: the host's own scale
+                    "ok": abs(p - g) <= tolerance * g,
+                }
+            )
+            if not rows[-1]["ok"]:
+                failures.append(rows[-1])
     return rows, failures
 
 
