@@ -180,11 +180,21 @@ def test_optimizer_offload_runs_fsdp2_on_the_host_with_the_same_losses(tiny_run,
     """parallel.offload_optimizer through FSDP2's CPUOffloadPolicy: the parameter shards, their
     gradients and the optimizer step live in host memory. On the CPU the host is the device, so the
     run is the zero3 run, bitwise, and the plan says that nothing moves: its load, evaluate and save
-    peaks match the plan as zero3's do."""
+    peaks match the plan as zero3's do. Activation offload runs beside it: its hooks, under FSDP2's
+    gathered parameters, pass to the host what the plan says (and on the CPU it stays there)."""
+    from trainplan.plan import analytic
+    from trainplan.verify import checks
+
     root, base = tiny_run
     common = [*base, f"model.source={root / 'weights'}", "model.init=auto", "batch.micro_batch_size=2"]
     plain = torchrun(tmp_path / "plain", common, "parallel.strategy=zero3")
-    offloaded = torchrun(tmp_path / "offload", common, "parallel.strategy=zero3", "parallel.offload_optimizer=true")
+    offloaded = torchrun(
+        tmp_path / "offload",
+        common,
+        "parallel.strategy=zero3",
+        "parallel.offload_optimizer=true",
+        "memory.offload_activations=true",
+    )
     assert offloaded["hardware"]["fsdp_offload"] == "CPUOffloadPolicy"  # as FSDP2 applied it
     assert plain["hardware"]["fsdp_offload"] == "OffloadPolicy"
     assert [(s["loss"], s["grad_norm"]) for s in offloaded["steps"]] == [
@@ -193,3 +203,7 @@ def test_optimizer_offload_runs_fsdp2_on_the_host_with_the_same_losses(tiny_run,
     assert offloaded["eval_after"]["loss"] == plain["eval_after"]["loss"]
     rows = _phase_rows(offloaded)
     assert all(r["ok"] for r in rows), [(r["device"], r["phase"], r["planned"], r["measured"]) for r in rows]
+    ledger = analytic.plan(C.from_dict(offloaded["config"]))
+    rows = checks.compare_memory(ledger, offloaded["memory"]["per_rank"], 0.05)[0]
+    moved = [r for r in rows if r["component"].startswith("offloaded activations")]
+    assert len(moved) == 2 and all(r["ok"] and r["measured"] > 0 for r in moved), moved
