@@ -41,6 +41,11 @@ CONFIG_FLAGS: tuple[tuple[str, str, dict], ...] = (
 SWITCHES = (
     ("--checkpointing", "memory.activation_checkpointing", "activation checkpointing on every layer"),
     ("--offload-optimizer", "parallel.offload_optimizer", "optimizer states in host memory"),
+    (
+        "--offload-activations",
+        "memory.offload_activations",
+        "the saved tensors of the layers not checkpointed in host memory (pinned: --set memory.offload_activations=pinned)",
+    ),
 )
 
 
