@@ -102,11 +102,23 @@ MATRIX = [
         False,
         ('parallel.strategy="zero3"', "parallel.offload_optimizer=true", 'hardware.host_mem="128GiB"'),
     ),
+    # activation offload: every layer's saved tensors to page-locked host buffers, one layer's on the
+    # device (the hooks' bytes are compared with the plan's; the trace refuses offload on a GPU)
+    (
+        "Llama-3.2-3B",
+        "lora",
+        "amp-bf16",
+        4,
+        4096,
+        False,
+        ('memory.offload_activations="pinned"', 'hardware.host_mem="128GiB"'),
+    ),
 ]
 SMOKE_MODEL = preset_config("tiny-llama")  # the tiny Llama of `trainplan devices`' determinism check
 SMOKE_MATRIX = [
     ("tiny-llama", "full", "fp32", 2, 32, False),
     ("tiny-llama", "lora", "fp32", 2, 32, True),
+    ("tiny-llama", "full", "fp32", 2, 32, False, ("memory.offload_activations=true",)),  # the hooks count on the CPU
 ]
 
 
@@ -218,7 +230,7 @@ def measure_row(cfg, r, device, steps: int) -> dict:
 def _measure(cfg, r, device, steps: int, *, mesh) -> dict:
     import torch
 
-    from trainplan.run import build, measure, step
+    from trainplan.run import build, measure, offload, step
 
     torch.manual_seed(0)
     if mesh is not None:
@@ -237,10 +249,13 @@ def _measure(cfg, r, device, steps: int, *, mesh) -> dict:
         optimizer = step.build_optimizer(
             model, o.name, o.implementation, o.lr, o.weight_decay, where, in_backward=o.step_in_backward
         )
-    times, losses, memory, untracked = [], [], None, None
+    times, losses, memory, untracked, moved = [], [], None, None, None
+    hooks_of = offload.of(model)  # memory.offload_activations
     for i in range(steps):
         meter = None
         if i == 1:
+            if hooks_of is not None:
+                hooks_of.reset_peak()
             meter = measure.StepMeter(
                 model, optimizer, [t for mb in micro for t in mb.values()], device, lora=cfg.mode in ("lora", "qlora")
             )
@@ -263,9 +278,16 @@ def _measure(cfg, r, device, steps: int, *, mesh) -> dict:
         losses.append(float(loss))
         if meter is not None:
             memory = meter.result()
-    del model, optimizer, micro, ids, loss
+            moved = hooks_of.peak_bytes if hooks_of is not None else None
+    del model, optimizer, micro, ids, loss, hooks_of
     _free(device)
-    return {"step_seconds": times, "losses": losses, "memory": memory, "untracked_allocated_bytes": untracked}
+    return {
+        "step_seconds": times,
+        "losses": losses,
+        "memory": memory,
+        "untracked_allocated_bytes": untracked,
+        "offloaded_activation_bytes": moved,
+    }
 
 
 def hf_trainer_row(cfg, r, device, steps: int) -> dict:
@@ -408,6 +430,9 @@ def compare(ledger, trace: dict, run: dict, nvml_baseline: int | None) -> dict:
             "tracker_peak_bytes": mem["peak_bytes"],
             "untracked_allocated_bytes": run["untracked_allocated_bytes"],
             "phases": phases,
+            # memory.offload_activations: what the hooks sent to the host, against the plan's
+            "offloaded_activation_bytes": run.get("offloaded_activation_bytes"),
+            "offloaded_vs_plan": _rel(dev.offloaded_activation_bytes or None, run.get("offloaded_activation_bytes")),
         },
         "errors": errors,
         "targets_met": {

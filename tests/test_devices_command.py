@@ -171,7 +171,9 @@ def test_gpu_validate_smoke_run_writes_the_results(tmp_path):
     assert doc["schema"] == "trainplan.gpu_validate/1" and doc["kind"] == "smoke"
     assert {"versions", "devices", "targets", "rows", "summary", "elapsed_s"} <= set(doc)
     assert doc["devices"]["passed"] is True and doc["targets"] == {"allocated": 0.03, "reserved": 0.05}
-    assert [row["config"]["mode"] for row in doc["rows"]] == ["full", "lora"]
+    assert [row["config"]["mode"] for row in doc["rows"]] == ["full", "lora", "full"]
+    moved = doc["rows"][2]["measured"]  # activation offload: the hooks' bytes as planned
+    assert moved["offloaded_activation_bytes"] > 0 and moved["offloaded_vs_plan"] == 0
     for row in doc["rows"]:
         assert row["status"] == "ok", row
         assert {"plan", "measured", "errors", "targets_met", "throughput", "hf"} <= set(row)
@@ -185,6 +187,6 @@ def test_gpu_validate_smoke_run_writes_the_results(tmp_path):
     lora = doc["rows"][1]
     assert lora["hf"]["tokens_per_s"] > 0 and lora["hf"]["ratio_trainplan_over_hf"] > 0
     assert doc["rows"][0]["hf"] is None
-    assert doc["summary"]["ok"] == 2 and doc["summary"]["analytic_allocated"] == "2/2"
+    assert doc["summary"]["ok"] == 3 and doc["summary"]["analytic_allocated"] == "3/3"
     tail = r.stdout.strip().splitlines()
-    assert tail[-4].startswith("row ") and "2/2 rows ran" in tail[-1]  # the table is printed last
+    assert tail[-5].startswith("row ") and "3/3 rows ran" in tail[-1]  # the table is printed last

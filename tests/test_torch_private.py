@@ -33,6 +33,17 @@ def test_tracker_counts_storages_from_creation_to_release():
     assert tracker.total == 0 and tracker.peak_total == 5000
 
 
+def test_a_gpu_meter_leaves_host_storages_to_the_host():
+    """A GPU's tracker counts its own device's storages: offloaded states and activations live in host
+    memory, whose bytes are the host column's. Here the host's tensors pass uncounted, the CPU's own
+    meter (no device given) counts them."""
+    gpu, cpu = P.StorageTracker(device=torch.device("cuda", 0)), P.StorageTracker()
+    with gpu, cpu:
+        host = torch.empty(1000)
+        assert gpu.total == 0 and cpu.total == 4000
+        del host
+
+
 def test_a_tracked_model_is_freed_once_the_caller_drops_it():
     """The finalizers outlive the step (they are global): they must not keep the model alive. On the
     GPU this leaked every measured model into the next one's allocator figures."""

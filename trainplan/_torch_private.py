@@ -201,11 +201,13 @@ class StorageTracker(TorchDispatchMode):
     `reset_peak` is kept per category, so phases can be measured one by one.
     """
 
-    def __init__(self, fake=None) -> None:
+    def __init__(self, fake=None, device: torch.device | None = None) -> None:
         """fake: the FakeTensorMode whose tensors stand for memory (the traced plan); any other
-        tensor without real storage is not counted."""
+        tensor without real storage is not counted. device: count only storages of this device type
+        (a GPU's meter: host memory, where offload puts its tensors, is not the GPU's)."""
         super().__init__()
         self.fake = fake
+        self.device_type = device.type if device is not None else None
         self._live: dict[int, list] = {}  # id(storage) -> [category, nbytes]
         self.totals = dict.fromkeys(CATEGORIES, 0)
         self.total = 0
@@ -226,6 +228,8 @@ class StorageTracker(TorchDispatchMode):
             # no memory: a model built on meta, or the fake tensors DTensor's sharding propagation
             # makes for itself (they report the fake device). Only the traced plan's own fake
             # tensors (self.fake) stand for memory.
+            return
+        if self.device_type is not None and st.device.type != self.device_type and not ours:
             return
         key = id(st)
         entry = self._live.get(key)

@@ -44,7 +44,7 @@ SWITCHES = (
     (
         "--offload-activations",
         "memory.offload_activations",
-        "the saved tensors of the layers not checkpointed in host memory (pinned: --set memory.offload_activations=pinned)",
+        "saved tensors of the layers not checkpointed in host memory (--set memory.offload_activations=pinned)",
     ),
 )
 

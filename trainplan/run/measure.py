@@ -64,7 +64,8 @@ class StepMeter:
         from trainplan import _torch_private as P
 
         self.model, self.optimizer, self.device, self.lora = model, optimizer, device, lora
-        self.tracker = P.StorageTracker()
+        # on a GPU, its own storages only: host memory (offloaded states and activations) is the host's
+        self.tracker = P.StorageTracker(device=device if device.type == "cuda" else None)
         self.tracker.track(getattr(model, "module", model), optimizer, inputs)
         self.raw: dict[str, dict[str, int]] = {}
         self.order: list[str] = []
