@@ -247,6 +247,18 @@ def test_fsdp2_offload_keeps_shards_gradients_and_the_step_on_the_host(make_cfg)
     adam = per_rank["weights"] + per_rank["gradients"] + per_rank["optimizer"]
     assert host.peak_allocated > 4 * adam  # every rank's shards, gradients and states, plus the step
     assert host.peak_allocated < 4 * (adam + per_rank["optimizer_temp"])  # for-loop temporaries, not foreach's
+    # page-locked: each padded parameter shard and each gradient shard (fp32, a quarter of dim 0 each) is
+    # rounded up to a power of two by CUDA's caching host allocator
+    from trainplan.plan import terms as T
+    from trainplan.resolve import resolve
+
+    r = resolve(make_cfg(**settings, parallel__offload_optimizer=True, hardware__host_mem="1TiB"))
+    shards = [-(-t.shape[0] // 4) * (t.numel // t.shape[0]) * 4 for t in r.spec.tensors]
+    pinned = sum(1 << (n - 1).bit_length() for n in shards)
+    assert T.pinned_fsdp_shards(T.rank_context(r, 0)) == (pinned, pinned)
+    assert pinned > sum(shards) and "power of two" in host.explain["optimizer"]
+    states_and_step = host.peak_allocated // 4 - 2 * pinned
+    assert per_rank["optimizer"] < states_and_step < per_rank["optimizer"] + per_rank["optimizer_temp"]
     assert "this rank's shard is in host memory" in dev.explain["weights"]
 
 

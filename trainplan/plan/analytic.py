@@ -102,8 +102,10 @@ def _fixed_terms(ctx: T.RankContext) -> _Fixed:
     elif offload == "fsdp2":
         # the step runs on the host's tensors, with the host's optimizer implementation
         host_opt = T.optimizer(dataclasses.replace(ctx, cpu=True))
-        host_bytes = weights.nbytes + grads.nbytes + host_opt.states + host_opt.temp
-        host_bytes += adapter.weights + adapter.grads + adapter.states
+        pinned_weights, pinned_grads = T.pinned_fsdp_shards(ctx)
+        if T.in_backward(ctx):  # a gradient hook reads each gradient at once: FSDP2 copies it pageable
+            pinned_grads = grads.nbytes + adapter.grads
+        host_bytes = pinned_weights + pinned_grads + host_opt.states + host_opt.temp + adapter.states
         for key in ("weights", "gradients", "optimizer", "optimizer_temp"):
             explain[key] = "this rank's shard is in host memory (FSDP2 CPUOffloadPolicy; see the host column)"
     elif offload == "none on the CPU":
@@ -513,8 +515,8 @@ def _host_ledger(cfg: C.RunConfig, ledgers: list[DeviceLedger], *, fsdp2: bool) 
     explain = {}
     if offloaded:
         explain["optimizer"] = (
-            "the parameter shards, their gradients, optimizer states and step temporaries of every rank on this node "
-            "(FSDP2 CPUOffloadPolicy)"
+            "the parameter shards and their gradients (page-locked, each rounded up to a power of two), optimizer "
+            "states and step temporaries of every rank on this node (FSDP2 CPUOffloadPolicy)"
             if fsdp2
             else "optimizer states, their step temporaries and a gradient copy of every rank on this node"
         )

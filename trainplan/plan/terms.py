@@ -8,6 +8,7 @@ per-rank setup from the parts built on it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -20,6 +21,7 @@ from trainplan.plan.tensors import (
     ZERO2_BUCKET_BYTES,
     StageTensors,
     _numel,
+    _shard,
     _sharded_numel,
     _tp_numel,
     optimizer_state_bytes,
@@ -396,6 +398,25 @@ def adapter(ctx: RankContext) -> AdapterTerm:
         copy=n_adapter * ctx.cb if ctx.prec.autocast else 0,
         note=note,
     )
+
+
+def _pow2(nbytes: int) -> int:
+    return 1 << max(0, nbytes - 1).bit_length() if nbytes else 0
+
+
+def pinned_fsdp_shards(ctx: RankContext) -> tuple[int, int]:
+    """FSDP2's CPUOffloadPolicy on a GPU, in host bytes: (parameter shards, gradient shards). It pins
+    each padded parameter shard, and each gradient shard's non-blocking copy to the host lands in
+    page-locked memory too; CUDA's caching host allocator rounds every one up to a power of two."""
+    tp, shards, prec = ctx.tp, ctx.shard_w, ctx.prec
+    stored = prec.param_bytes if ctx.full else prec.frozen_bytes
+    padded = [_sharded_numel(t, tp, shards) for t in ctx.held]
+    weights = sum(_pow2(n * stored) for n in padded)
+    grads = sum(_pow2(n * prec.grad_bytes) for n in padded) if ctx.full else 0
+    for shape in ctx.lora_shapes:  # fp32 adapters, sharded on dim 0 as well
+        n = _shard(shape[0], math.prod(shape[1:]), shards) * 4
+        weights, grads = weights + _pow2(n), grads + _pow2(n)
+    return weights, grads
 
 
 class GradTerm(NamedTuple):
