@@ -16,6 +16,9 @@ Known workarounds, each needed by the tracer:
   allocations (cross_entropy's log-softmax): the tracker decomposes them.
 - FSDP2 frees unsharded parameters with UntypedStorage.resize_(0), which no dispatch mode sees:
   the tracker wraps resize_ while it is active.
+- bitsandbytes' 8-bit optimizer update is one custom op, whose CPU kernel (Python) allocates its
+  fp32 temporaries below the dispatcher: the tracker runs that kernel's body under itself, so a CPU
+  run's optimizer phase holds what the plan says (`_python_body`).
 - Fake CUDA tensors abort on a CPU build: trace on the CPU device only.
 - transformers 5's mask code cannot read fake position ids, so under fake tensors it assumes
   packed sequences and builds a (b, 1, s, s) mask that a real run without padding never does.
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -134,6 +137,18 @@ def cuda_kernels() -> Iterator[None]:
         yield
     finally:
         F.dropout, F.scaled_dot_product_attention = dropout_orig, sdpa_orig
+
+
+def _python_body(func, args) -> Callable | None:
+    """The Python kernel behind a custom op on CPU tensors whose inner allocations the tracker must
+    see (bitsandbytes' 8-bit optimizer update, private to bitsandbytes); None for any other op."""
+    if getattr(func, "namespace", "") != "bitsandbytes" or "optimizer_update_8bit_blockwise" not in str(func):
+        return None
+    if not any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
+        return None
+    from bitsandbytes.backends.cpu import ops
+
+    return ops._optimizer_update_8bit_blockwise_cpu
 
 
 def _decomposable(func) -> bool:
@@ -302,6 +317,10 @@ class StorageTracker(TorchDispatchMode):
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
+        body = _python_body(func, args)
+        if body is not None:
+            with self:
+                return body(*args, **kwargs)
         out = func(*args, **kwargs)
         category = "optimizer" if self._in_optimizer else "activations"
         tree_map_only(torch.Tensor, lambda t: self._add(t, category), out)
