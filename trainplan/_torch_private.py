@@ -19,6 +19,8 @@ Known workarounds, each needed by the tracer:
 - bitsandbytes' 8-bit optimizer update is one custom op, whose CPU kernel (Python) allocates its
   fp32 temporaries below the dispatcher: the tracker runs that kernel's body under itself, so a CPU
   run's optimizer phase holds what the plan says (`_python_body`).
+- A dispatch mode makes torch.compile run its frames eagerly: a compiled step is measured from the
+  outside, through the profiler's allocator events (`memory_timeline`) or CUDA's allocator.
 - Fake CUDA tensors abort on a CPU build: trace on the CPU device only.
 - transformers 5's mask code cannot read fake position ids, so under fake tensors it assumes
   packed sequences and builds a (b, 1, s, s) mask that a real run without padding never does.
@@ -139,16 +141,69 @@ def cuda_kernels() -> Iterator[None]:
         F.dropout, F.scaled_dot_product_attention = dropout_orig, sdpa_orig
 
 
-def _python_body(func, args) -> Callable | None:
+def _python_body(func, args, kwargs) -> Callable | None:
     """The Python kernel behind a custom op on CPU tensors whose inner allocations the tracker must
     see (bitsandbytes' 8-bit optimizer update, private to bitsandbytes); None for any other op."""
     if getattr(func, "namespace", "") != "bitsandbytes" or "optimizer_update_8bit_blockwise" not in str(func):
         return None
-    if not any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
+    if not any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in (*args, *kwargs.values())):
         return None
     from bitsandbytes.backends.cpu import ops
 
     return ops._optimizer_update_8bit_blockwise_cpu
+
+
+# autograd nodes that make a view or a copy of their one input: a tensor whose history reaches a
+# parameter through these alone is that parameter's (a transposed weight, autocast's bf16 copy)
+_VIEW_OR_CAST = frozenset(
+    {
+        "TBackward0",
+        "ToCopyBackward0",
+        "ViewBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "ExpandBackward0",
+        "AliasBackward0",
+        "UnsafeViewBackward0",
+    }
+)
+
+
+def derives_from_parameter(t: torch.Tensor) -> bool:
+    """Whether `t` is a view or a cast of a parameter that requires grad: its autograd history reaches
+    the parameter's AccumulateGrad through view and copy nodes alone (autograd node class names)."""
+    fn = t.grad_fn
+    while fn is not None and type(fn).__name__ in _VIEW_OR_CAST:
+        parents = [f for f, _ in fn.next_functions if f is not None]
+        if len(parents) != 1:
+            return False
+        fn = parents[0]
+        if type(fn).__name__ == "AccumulateGrad":
+            return isinstance(fn.variable, torch.nn.Parameter)
+    return False
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """A fake tensor (the traced plan's): it has no memory, and its data_ptr() is 0."""
+    from torch._subclasses.fake_tensor import is_fake as fake
+
+    return fake(t)
+
+
+def memory_timeline(prof) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]:
+    """From a finished `torch.profiler.profile(profile_memory=True)`: the CPU allocator's events as
+    (time ns, +bytes allocated / -bytes freed), in order, and the spans of the `record_function`
+    ranges named "PHASE_<name>" as {name: (start ns, end ns)}. Every allocation is there, inductor's
+    buffers included (they bypass the dispatcher, not the allocator)."""
+    events, spans = [], {}
+    for e in prof.profiler.kineto_results.events():
+        if e.name() == "[memory]":
+            if e.device_type() == torch.autograd.DeviceType.CPU:
+                events.append((e.start_ns(), e.nbytes()))
+        elif e.name().startswith("PHASE_"):
+            spans[e.name()[6:]] = (e.start_ns(), e.start_ns() + e.duration_ns())
+    events.sort()
+    return events, spans
 
 
 def _decomposable(func) -> bool:
@@ -317,7 +372,7 @@ class StorageTracker(TorchDispatchMode):
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        body = _python_body(func, args)
+        body = _python_body(func, args, kwargs)
         if body is not None:
             with self:
                 return body(*args, **kwargs)

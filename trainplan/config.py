@@ -142,6 +142,9 @@ class TrainConfig:
     # The loss without the (tokens x vocab) logits: chunked fused linear cross-entropy (run/loss.py)
     fused_loss: bool = True
     loss_chunk_tokens: int = 128  # rows of logits formed at a time by the fused loss
+    # torch.compile per decoder layer (regional compilation): false | true | "auto" (on for training on
+    # GPUs; on the CPU compiling costs tens of seconds that a short run does not earn back)
+    compile: bool | str = False
     # Progress where stderr is not a terminal (a batch job's log), run/progress.py; on a terminal
     # a progress bar shows every step.
     log_every: int = 10  # a timestamped progress line every this many steps
@@ -177,6 +180,8 @@ class TrainConfig:
             raise ConfigError(
                 "train.epochs", f"must be a number >= 0 (got {self.epochs!r})", "e.g. train.epochs = 3 (0: train.steps)"
             )
+        if not (isinstance(self.compile, bool) or self.compile == "auto"):
+            raise ConfigError("train.compile", f"unknown value {self.compile!r}", 'use true, false or "auto"')
         for name in ("measure_memory", "fused_loss"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(

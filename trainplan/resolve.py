@@ -52,6 +52,14 @@ class Resolved:
         return ac
 
     @property
+    def compiles(self) -> bool:
+        """train.compile resolved: "auto" compiles a training run on GPUs."""
+        setting = self.cfg.train.compile
+        if setting == "auto":  # not beside activation offload, whose hooks need the eager layers' saved tensors
+            return self.training and all(d.is_gpu for d in self.devices) and not self.cfg.memory.offload_activations
+        return setting
+
+    @property
     def budget_bytes(self) -> int | None:
         """hardware.memory_budget in bytes: a cap on every device's bill."""
         budget = self.cfg.hardware.memory_budget
@@ -113,6 +121,13 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
             "memory.offload_activations",
             "every layer is checkpointed (memory.activation_checkpointing = true): no layer is left to offload",
             'checkpoint fewer layers (a number, or "auto") or set memory.offload_activations = false',
+        )
+    if cfg.train.compile is True and cfg.memory.offload_activations:
+        raise ConfigError(
+            "train.compile",
+            "a compiled layer saves other tensors than the eager one, without the autograd history that tells "
+            "memory.offload_activations a weight's copy from an activation",
+            'set train.compile = false (or "auto"), or memory.offload_activations = false',
         )
     if spec.learned_positions and cfg.batch.seq_len > spec.learned_positions:
         raise ConfigError(

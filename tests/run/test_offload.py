@@ -47,12 +47,14 @@ def test_offload_resumes_from_its_checkpoint(tiny_run, tmp_path):
 
 def test_activation_offload_trains_as_the_plain_run_and_moves_what_the_plan_says(tiny_run, tmp_path):
     """memory.offload_activations on the CPU: the hooks run and count what they pass to the host (where it
-    stays: the host is the device). The losses are the plain run's, bitwise, and the bytes the plan's."""
+    stays: the host is the device), one micro-batch's forward at a time, and stand aside in evaluation.
+    The losses are the plain run's, bitwise, and the bytes the plan's."""
     from trainplan.plan import analytic
     from trainplan.verify import checks
 
-    plain = _run(tiny_run, tmp_path / "plain")
-    moved = _run(tiny_run, tmp_path / "offload", "memory.offload_activations=true")
+    accumulate = ["batch.micro_batch_size=2", "batch.grad_accum_steps=2"]  # a forward and backward per micro-batch
+    plain = _run(tiny_run, tmp_path / "plain", *accumulate)
+    moved = _run(tiny_run, tmp_path / "offload", *accumulate, "memory.offload_activations=true")
     assert [s["loss"] for s in moved["steps"]] == [s["loss"] for s in plain["steps"]]
     assert moved["eval_after"]["loss"] == plain["eval_after"]["loss"]
     measured = moved["memory"]["per_rank"][0]["offloaded_activation_bytes"]

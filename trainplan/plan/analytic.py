@@ -17,6 +17,7 @@ import functools
 from typing import NamedTuple
 
 from trainplan import config as C
+from trainplan.plan import activations as A
 from trainplan.plan import lifecycle
 from trainplan.plan import terms as T
 from trainplan.plan.backward import backward_moments
@@ -207,6 +208,10 @@ def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedg
             "comm_buffers": comm.steady,
         },
     }
+    if acts.layer_on_device:  # offloaded: the top layer forming, its saved tensors still on the device
+        forming = dict(phases["forward"], logits_loss=0)
+        forming["activations"] += acts.layer_on_device - ctx.in_flight * A.total(acts.head_saved)
+        phases["forward"] = max(phases["forward"], forming, key=lambda c: sum(c.values()))
     moments = backward_moments(ctx, phases["backward"], adapter, grads, acts, comm)
     offloaded = _offload(ctx) == "fsdp2"
     if offloaded:
@@ -231,9 +236,17 @@ def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedg
         for name in ("load", "forward", "optimizer", "evaluate", "save"):
             if name in phases:
                 phases[name] = _on_device_under_fsdp2_offload(ctx, phases[name], adapter, 0)
-    led = _device_ledger(r, rank, phases, runtime, explain, details, offload_bytes=host_bytes)
-    led.offloaded_activation_bytes, led.host_activation_bytes = acts.offloaded, acts.host
-    return led
+    return _device_ledger(
+        r,
+        rank,
+        phases,
+        runtime,
+        explain,
+        details,
+        offload_bytes=host_bytes,
+        offloaded_activation_bytes=acts.offloaded,
+        host_activation_bytes=acts.host,
+    )
 
 
 def _label(device: DeviceSpec, rank: int) -> str:
@@ -253,7 +266,16 @@ def _role(dims: ParallelDims, rank: int) -> str:
 
 
 def _device_ledger(
-    r: Resolved, rank: int, phases: dict, runtime: int, explain: dict, details: dict, *, offload_bytes: int = 0
+    r: Resolved,
+    rank: int,
+    phases: dict,
+    runtime: int,
+    explain: dict,
+    details: dict,
+    *,
+    offload_bytes: int = 0,
+    offloaded_activation_bytes: int = 0,
+    host_activation_bytes: int = 0,
 ) -> DeviceLedger:
     from trainplan.plan import accuracy
 
@@ -271,6 +293,8 @@ def _device_ledger(
         details=details,
         ranks=[rank],
         offload_bytes=offload_bytes,
+        offloaded_activation_bytes=offloaded_activation_bytes,
+        host_activation_bytes=host_activation_bytes,
         error_band=band,
         error_band_source=band_source,
         budget_bytes=r.budget_bytes,
@@ -515,8 +539,9 @@ def _host_ledger(cfg: C.RunConfig, ledgers: list[DeviceLedger], *, fsdp2: bool) 
     explain = {}
     if offloaded:
         explain["optimizer"] = (
-            "the parameter shards and their gradients (page-locked, each rounded up to a power of two), optimizer "
-            "states and step temporaries of every rank on this node (FSDP2 CPUOffloadPolicy)"
+            "the parameter shards and their gradients (page-locked, each rounded up to a power of two; gradients "
+            "pageable under optim.step_in_backward), optimizer states and step temporaries of every rank on this "
+            "node (FSDP2 CPUOffloadPolicy)"
             if fsdp2
             else "optimizer states, their step temporaries and a gradient copy of every rank on this node"
         )

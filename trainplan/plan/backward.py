@@ -194,12 +194,16 @@ def _top_layer_mlp_backward(
     if ctx.dims.reshard_after_forward and len(ctx.layers) > 1:
         top_layer["weight_copies"] = start["weight_copies"] + ctx.unit_numel * cb  # the next unit, prefetched
     top_layer["activations"] = (
-        ctx.in_flight * (acts.saved_layers + acts.step_inputs) - top_down_in + 3 * tokens * inter * cb + acts.layer_in
+        ctx.in_flight * (acts.saved_layers + acts.step_inputs)
+        + acts.layer_on_device  # offloaded: the top layer's saved tensors, back on the device
+        - top_down_in
+        + 3 * tokens * inter * cb
+        + acts.layer_in
     )
     if ctx.spec.num_experts:  # the MoE block's own widest moment (no down_proj module: `formed` holds norms only)
         released, temps, expert_grad = moe_backward(ctx)
         top_layer["activations"] = ctx.in_flight * (acts.saved_layers + acts.step_inputs) - released + temps
-        top_layer["activations"] += acts.layer_in
+        top_layer["activations"] += acts.layer_in + acts.layer_on_device
         top_layer["gradients"] += expert_grad
     return top_layer
 

@@ -103,7 +103,7 @@ def evaluate(
         "weights": weights.nbytes,
         "weight_copies": copies.nbytes,
         "adapter": adapter.live,
-        "gradients": grads.live_fwd,
+        "gradients": _between_steps(ctx, grads),
         "optimizer": opt.states,
         "activations": inputs + (0 if loss >= layer else layer),
         "logits_loss": loss if loss >= layer else 0,
@@ -152,8 +152,14 @@ def save(
         "weights": weights.nbytes,
         "weight_copies": gathered,
         "adapter": adapter.weights + adapter.states,
-        "gradients": grads.live_fwd,
+        "gradients": _between_steps(ctx, grads),
         "optimizer": opt.states,
         "buffers": buffers,
     }
     return phase, note
+
+
+def _between_steps(ctx: T.RankContext, grads: T.GradTerm) -> int:
+    """Gradients that exist between optimizer steps (evaluation, saving): DDP's buckets and ZeRO-2's
+    partition stay allocated; otherwise zero_grad(set_to_none) has freed them, accumulated or not."""
+    return grads.live_fwd if ctx.dims.keeps_grads_between_steps else 0

@@ -594,11 +594,14 @@ class ActTerm(NamedTuple):
     # on the CPU they stay, the host being the device), and what that holds in host memory
     offloaded: int = 0
     host: int = 0
+    # what an offloaded layer holds on the device while it runs (forward) or its backward runs: its
+    # saved tensors, in no moment outside it (the logits, the final norm's backward)
+    layer_on_device: int = 0
 
 
 def _pinned(saved) -> int:
     """Page-locked host buffers: CUDA's caching host allocator rounds each up to a power of two."""
-    return sum(1 << max(0, s.nbytes - 1).bit_length() for s in saved)
+    return sum(_pow2(s.nbytes) for s in saved)
 
 
 def activations(ctx: RankContext) -> ActTerm:
@@ -613,11 +616,11 @@ def activations(ctx: RankContext) -> ActTerm:
     if first_plain:
         # the frozen embedding's output needs no grad: layer 0's first norm saves nothing
         saved_layers += _layer_saved_bytes(ctx, input_requires_grad=False) - per_layer_bytes
-    offloaded = host = 0
+    offloaded = host = layer_on_device = 0
     if ctx.offload_acts and n_layers > ck:
         offloaded = in_flight * (saved_layers - ck * kept)
-        if not ctx.cpu:  # the device keeps one layer's saved tensors: forming in forward, back for backward
-            saved_layers = ck * kept + per_layer_bytes
+        if not ctx.cpu:  # the device keeps one layer's saved tensors while it forms or is back for backward
+            saved_layers, layer_on_device = ck * kept, per_layer_bytes
             host = offloaded
             if ctx.offload_acts == "pinned":
                 n_plain = n_layers - ck - (1 if first_plain else 0)
@@ -677,6 +680,7 @@ def activations(ctx: RankContext) -> ActTerm:
         note=note,
         offloaded=offloaded,
         host=host,
+        layer_on_device=layer_on_device,
     )
 
 

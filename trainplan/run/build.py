@@ -216,6 +216,17 @@ def checkpoint_layers(model: nn.Module, spec, setting: bool | int | str, policy:
             layer.gradient_checkpointing = False
 
 
+def compile_layers(model: nn.Module) -> int:
+    """train.compile: torch.compile on each decoder layer's forward (regional compilation, as torchtitan
+    and torchtune do): every layer runs the same code, so one compiled graph serves them all and compile
+    time stays bounded by one layer's; the layers' hooks (FSDP2's, offload's) and checkpointing's wrapper
+    stay outside the compiled region. Returns the number of layers compiled."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
+    return len(layers)
+
+
 def allocate(model: nn.Module, device: torch.device | str) -> nn.Module:
     """to_empty, then re-tie. to_empty gives each module its own copy of a shared parameter, so a
     tied output head is taken out first: the vocabulary-sized matrix is allocated once, not twice."""

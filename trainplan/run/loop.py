@@ -163,7 +163,9 @@ class Trainer:
         if job.cfg.train.measure_memory:
             n = job.resolved.batch.micro_batch_size
             mb = {"input_ids": job.eval.ids[:n].to(env.device), "labels": job.eval.labels[:n].to(env.device)}
-            meter = measure.StepMeter(self.model, None, list(mb.values()), env.device, lora=False)
+            meter = measure.step_meter(job.resolved.compiles)(
+                self.model, None, list(mb.values()), env.device, lora=False
+            )
             with meter:
                 step.eval_forward(
                     self.model, mb, prec=self.settings.prec, device_type=env.device.type, on_phase=meter.on_phase
@@ -247,7 +249,7 @@ class Trainer:
         meter = None
         if metered:
             inputs = [t for mb in micro for t in mb.values()]
-            meter = measure.StepMeter(
+            meter = measure.step_meter(job.resolved.compiles)(
                 self.model, state.optimizer, inputs, env.device, lora=job.cfg.mode in ("lora", "qlora")
             )
         guard.begin(state.step + 1, ids)
@@ -258,10 +260,10 @@ class Trainer:
         with meter or contextlib.nullcontext():
             res = step.train_step(self.model, state, micro, self.settings, token_count=tokens, hooks=hooks)
         if meter is not None:
-            result = meter.result()
+            measured = meter.result()
             if moved is not None:
-                result["offloaded_activation_bytes"] = moved.peak_bytes
-            self.record.memory = {"step": state.step + 1, "per_rank": env.gather(result)}
+                measured["offloaded_activation_bytes"] = moved.peak_bytes
+            self.record.memory = {"step": state.step + 1, "per_rank": env.gather(measured)}
         dt = time.perf_counter() - t0
         entry = {
             "step": state.step + 1,

@@ -136,6 +136,108 @@ class StepMeter:
         }
 
 
+class CompiledStepMeter:
+    """Wraps one compiled training step (train.compile), as StepMeter does an eager one. The storage
+    tracker is a dispatch mode, under which torch.compile runs its frames eagerly: it would measure
+    another step. So the compiled step is measured from the outside, per phase, as totals: on CUDA the
+    allocator's max_memory_allocated; on the CPU torch.profiler's allocator events (inductor's buffers
+    bypass the dispatcher, not the allocator), from what is live as the step starts (parameters,
+    buffers, gradients, optimizer state, the batch)."""
+
+    def __init__(self, model: nn.Module, optimizer, inputs, device: torch.device, *, lora: bool) -> None:
+        self.model, self.device = model, device
+        self.cuda: dict[str, dict[str, int | None]] = {}
+        self.order: list[str] = []
+        self._range = None
+        self._prof = None
+        self.base = 0
+        if device.type != "cuda":
+            held = [*model.parameters(), *model.buffers(), *inputs]
+            held += [p.grad for p in model.parameters() if p.grad is not None]
+            inner = getattr(optimizer, "optim", optimizer)
+            for state in inner.state.values() if inner is not None else ():
+                held += [v for v in state.values() if isinstance(v, torch.Tensor)] if isinstance(state, dict) else []
+            storages = {}
+            for t in held:
+                local = to_local(t)
+                storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+            self.base = sum(storages.values())
+
+    def __enter__(self) -> CompiledStepMeter:
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+        if self._prof is not None:
+            self._prof.__exit__(*exc)
+
+    def on_phase(self, name: str) -> None:
+        from torch.profiler import record_function
+
+        if self.order and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.cuda[self.order[-1]] = {
+                "max_allocated": torch.cuda.max_memory_allocated(self.device),
+                "max_reserved": torch.cuda.max_memory_reserved(self.device),
+                "nvml_used": _nvml_used(self.device),
+            }
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+        if name != "end":
+            self.order.append(name)
+            if self._prof is not None:
+                self._range = record_function(f"PHASE_{name}")
+                self._range.__enter__()
+
+    def result(self) -> dict:
+        if self.device.type == "cuda":
+            phases = {ph: {"total": c["max_allocated"]} for ph, c in self.cuda.items()}
+        else:
+            from trainplan import _torch_private as P
+
+            events, spans = P.memory_timeline(self._prof)
+            phases, live, i = {}, self.base, 0
+            for ph in self.order:
+                start, end = spans[ph]
+                while i < len(events) and events[i][0] < start:
+                    live += events[i][1]
+                    i += 1
+                peak = live
+                while i < len(events) and events[i][0] <= end:
+                    live += events[i][1]
+                    peak = max(peak, live)
+                    i += 1
+                phases[ph] = {"total": peak}
+        return {
+            "device": str(self.device),
+            "phases": phases,
+            "raw": {},
+            "cuda": self.cuda,
+            "peak_bytes": max((c["total"] for c in phases.values()), default=0),
+            "max_rss_bytes": max_rss_bytes(),
+            "placement": placement(self.model),
+            "method": "compiled step: "
+            + ("CUDA allocator" if self.device.type == "cuda" else "profiler allocator events"),
+        }
+
+
+def step_meter(compiled: bool):
+    """The meter for a run's measured step: StepMeter, or CompiledStepMeter under train.compile."""
+    return CompiledStepMeter if compiled else StepMeter
+
+
 class PhaseMeter:
     """The peak bytes a device holds during one phase of the run around the step (load, evaluate,
     save): `with PhaseMeter(device, model, optimizer) as m: ...; m.peak_bytes`.

@@ -2,51 +2,41 @@
 to host memory as forward saves them, and come back to the device for the backward that uses them.
 
 torch's saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`), the mechanism of
-`torch.autograd.graph.save_on_cpu`, with three differences the plan relies on (plan/terms.py
+`torch.autograd.graph.save_on_cpu`, with four differences the plan relies on (plan/terms.py
 `activations`):
 - a parameter, or a view or autocast copy of one, stays where it is: it is no activation, and the
   device keeps it anyway (save_on_cpu would copy every layer's weights to the host on every step);
 - a layer's inputs other than its hidden states (rotary cos/sin, the mask) stay: every layer shares
   them;
 - a storage is copied once per layer however many of its views are saved, whole, so the host holds
-  what the device would have (a view that keeps a larger tensor alive keeps all of it).
+  what the device would have (a view that keeps a larger tensor alive keeps all of it);
+- its views share one device copy while any of them is back on the device.
 
 On the CPU the host is the device: the hooks pass each tensor through and only count its bytes, the
 figure the plan's `offloaded_activation_bytes` predicts. `copy_on_host=True` copies there too (tests).
+On CUDA, "pinned" host buffers make the copies asynchronous; pageable ones (true) wait for each copy.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
-# autograd nodes that make a view or a copy of their one input: a saved tensor whose history reaches
-# a parameter through these alone is that parameter's (a transposed weight, autocast's bf16 copy)
-_VIEW_OR_CAST = frozenset(
-    {
-        "TBackward0",
-        "ToCopyBackward0",
-        "ViewBackward0",
-        "TransposeBackward0",
-        "PermuteBackward0",
-        "ExpandBackward0",
-        "AliasBackward0",
-        "UnsafeViewBackward0",
-    }
-)
+from trainplan import _torch_private as P
+
 _ATTR = "_trainplan_activation_offload"
 
 
-def _of_parameter(t: torch.Tensor) -> bool:
-    fn = t.grad_fn
-    while fn is not None and type(fn).__name__ in _VIEW_OR_CAST:
-        parents = [f for f, _ in fn.next_functions if f is not None]
-        if len(parents) != 1:
-            return False
-        fn = parents[0]
-        if type(fn).__name__ == "AccumulateGrad":
-            return True
-    return False
+class _Packed:
+    """One storage's host copy, and the device copy its views share while any of them is unpacked."""
+
+    __slots__ = ("host", "device_copy")
+
+    def __init__(self, host) -> None:
+        self.host = host
+        self.device_copy = None  # a weak reference to a tensor on the device copy
 
 
 class ActivationOffload:
@@ -81,14 +71,14 @@ class ActivationOffload:
         inputs = [*args[1:], *kwargs.values()] if args else [v for k, v in kwargs.items() if k != "hidden_states"]
         for value in inputs:
             for t in value if isinstance(value, tuple | list) else (value,):
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, torch.Tensor) and not P.is_fake(t):
                     stay.add(t.untyped_storage().data_ptr())
-        packed: dict[int, tuple] = {}  # storage -> (the device tensor, its host copy), for this layer's forward
+        packed: dict[int, tuple] = {}  # storage -> (the device tensor, _Packed), for this layer's forward
         params: list[set[int]] = []
 
         def pack(t: torch.Tensor):
             if not params:
-                params.append(stay | {p.untyped_storage().data_ptr() for p in layer.parameters()})
+                params.append(stay | {p.untyped_storage().data_ptr() for p in layer.parameters() if not P.is_fake(p)})
             return self._pack(t, params[0], packed)
 
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
@@ -96,14 +86,18 @@ class ActivationOffload:
         self._stack.append((hooks, packed))
 
     def _exit(self, layer: nn.Module, args, output) -> None:
+        if not self._stack:  # an earlier pre-hook (FSDP2's) raised before ours ran
+            return
         hooks, packed = self._stack.pop()
         hooks.__exit__(None, None, None)
-        packed.clear()  # the device copies this layer's forward saved are the device's to free now
+        packed.clear()  # the device tensors this layer's forward saved are the device's to free now
 
     def _pack(self, t: torch.Tensor, stay: set[int], packed: dict):
+        if P.is_fake(t):  # the traced plan's tensors: no memory to move (and no address)
+            return t
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if isinstance(t, nn.Parameter) or key in stay or _of_parameter(t):
+        if not storage.nbytes() or key in stay or P.derives_from_parameter(t):
             return t
         if key not in packed:
             # the device tensor is held until the layer's forward ends, so no later tensor of this
@@ -115,19 +109,24 @@ class ActivationOffload:
                 pin = self.pin_memory and t.device.type == "cuda"
                 host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin).untyped_storage()
                 host.copy_(storage, non_blocking=pin)
-            packed[key] = (t, host)
-        host = packed[key][1]
-        return host, t.device, t.dtype, t.shape, t.stride(), t.storage_offset(), t.requires_grad
+            packed[key] = (t, _Packed(host))
+        return packed[key][1], t.device, t.dtype, t.shape, t.stride(), t.storage_offset()
 
     def _unpack(self, saved):
         if isinstance(saved, torch.Tensor):
             return saved
-        host, device, dtype, shape, stride, offset, _ = saved
-        storage = host
-        if device.type != "cpu" or self.copy_on_host:
-            storage = torch.UntypedStorage(host.nbytes(), device=device)
-            storage.copy_(host, non_blocking=self.pin_memory and device.type == "cuda")
-        return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
+        slot, device, dtype, shape, stride, offset = saved
+        alive = slot.device_copy() if slot.device_copy is not None else None
+        if alive is not None:  # another view of the storage is back on the device: share its copy
+            storage = alive.untyped_storage()
+        elif device.type != "cpu" or self.copy_on_host:
+            storage = torch.UntypedStorage(slot.host.nbytes(), device=device)
+            storage.copy_(slot.host, non_blocking=self.pin_memory and device.type == "cuda")
+        else:
+            storage = slot.host
+        out = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
+        slot.device_copy = weakref.ref(out)
+        return out
 
 
 def install(model: nn.Module, layers: list[nn.Module], setting: bool | str) -> ActivationOffload:

@@ -147,6 +147,8 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, l
     meter = measure.PhaseMeter(env.device) if cfg.train.measure_memory else None
     with progress.stage("load weights", cfg.model.source), meter or contextlib.nullcontext():
         model = weights.load_model(cfg, r.spec, r.precision, env.device, dims=r.dims if mesh else None, mesh=mesh)
+    if r.compiles:  # compiled lazily, by the first step (its time is the record's compile.seconds)
+        build.compile_layers(model)
     return Job(
         cfg=cfg,
         resolved=r,
