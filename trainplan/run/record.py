@@ -49,6 +49,7 @@ class RunRecord:
     # (load, evaluations, steps, save). The reports, `trainplan runs` and accept's verdict line show it.
     wall_seconds: float | None = None
     train_seconds: float | None = None  # the training steps alone, a part of wall_seconds
+    compile: dict | None = None  # train.compile: backend, regions, seconds (run/loop.py compile_time)
     memory: dict | None = None  # the measured step: {"step", "per_rank": [StepMeter.result()]}
     phase_memory: dict | None = None  # the run around the step: {"per_rank": [{"device", "load", "evaluate", "save"}]}
     generation: dict | None = None  # inference: prompt and completion
