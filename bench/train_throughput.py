@@ -1,6 +1,8 @@
 """Training throughput: trainplan's loop vs Hugging Face Trainer + PEFT, same everything.
 
 Run: .venv/bin/python bench/train_throughput.py [--steps 8]   (figures in docs/benchmarks.md)
+     .venv/bin/python bench/train_throughput.py --paired --compile --steps 12   (train.compile against HF's
+     torch_compile=True)
 
 Same process, same model (the embedded SmolLM2-135M), same LoRA (r=8 on q_proj, v_proj), same
 packed Python-docs sequences, micro-batch 4 x seq 256, AdamW, fp32 on this CPU. Tokens/s is
@@ -23,6 +25,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of both loops")
     ap.add_argument("--paired", action="store_true", help="interleave the two loops step by step in one run")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="--paired: add trainplan's train.compile variant and run HF with torch_compile=True (its documented "
+        "setting); the first two pairs (compilation) are dropped",
+    )
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU backend's import-time warning
@@ -31,7 +39,7 @@ def main() -> None:
 
     from trainplan import config as C
     from trainplan import resolve
-    from trainplan.run import data, step, weights
+    from trainplan.run import build, data, step, weights
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -101,6 +109,7 @@ def main() -> None:
             disable_tqdm=True,
             lr_scheduler_type="constant",
             optim="adamw_torch",
+            torch_compile=args.compile,
         )
         trainer = transformers.Trainer(model=model, args=targs, train_dataset=rows, callbacks=[Timer()])
         trainer.train()
@@ -112,10 +121,14 @@ def main() -> None:
         # drift of a noisy machine hits all alike. Ratios are medians of the per-step ratios.
         # Variants: the default (fused chunked loss) and train.fused_loss=false (transformers' loss).
         variants = {"fused loss (default)": cfg, "transformers' loss": C.load(None, [*sets, "train.fused_loss=false"])}
+        if args.compile:  # regional compilation, as train.compile runs it
+            variants["compiled, fused loss"] = C.load(None, [*sets, "train.compile=true"])
         runs = {}
         for name, vcfg in variants.items():
             torch.manual_seed(0)
             model = weights.load_model(vcfg, r.spec, r.precision, torch.device("cpu"))
+            if vcfg.train.compile is True:
+                build.compile_layers(model)
             runs[name] = (model, step.build_optimizer(model, "adamw", "auto", 1e-3, 0.0, "cpu"), [])
 
         def ours_steps(i: int) -> None:
@@ -128,13 +141,21 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
 
         hf_times = hf(interleave=ours_steps)
-        b = statistics.median(tokens_per_step / h for h in hf_times[1:])
-        print(f"HF Trainer + PEFT:             {b:8.1f} tokens/s (median of {len(hf_times) - 1} steps)")
+        skip = 2 if args.compile else 1  # warm-up, and compilation (the first step and its neighbours)
+        b = statistics.median(tokens_per_step / h for h in hf_times[skip:])
+        hf_name = "HF Trainer + PEFT" + (", torch_compile" if args.compile else "")
+        print(f"{hf_name + ':':30s} {b:8.1f} tokens/s (median of {len(hf_times) - skip} steps)")
+        if args.compile:
+            first = runs["compiled, fused loss"][2][0]
+            print(f"compile: HF's first step {hf_times[0]:.1f} s, trainplan's compiled variant's {first:.1f} s")
         for name, (_, _, times) in runs.items():
-            pairs = list(zip(times[1:], hf_times[1:], strict=False))  # drop the warm-up pair
+            pairs = list(zip(times[skip:], hf_times[skip:], strict=False))  # drop the warm-up pair(s)
             a = statistics.median(tokens_per_step / o for o, _ in pairs)
             ratio = statistics.median(h / o for o, h in pairs)
-            print(f"trainplan, {name:20s} {a:8.1f} tokens/s; ratio to HF {ratio:.3f} (median of per-step ratios)")
+            print(
+                f"trainplan, {name:20s} {a:8.1f} tokens/s; ratio to HF {ratio:.3f} "
+                f"(median of {len(pairs)} per-step ratios)"
+            )
         return
 
     ours_tps, hf_tps = [], []

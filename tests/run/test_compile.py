@@ -71,3 +71,11 @@ def test_a_compiled_lora_run_trains_as_the_eager_one_and_its_memory_is_the_plans
     check = checks.check_memory(RunRecord(**compiled), ledger, 0.05)
     assert check.passed, check.summary
     assert {r["phase"] for r in check.evidence["rows"]} >= {"forward", "backward", "optimizer"}
+
+
+def test_the_trace_of_a_compiled_job_says_it_ran_eagerly(tiny_run):
+    from trainplan.plan import traced
+
+    _, base = tiny_run
+    result, _ = traced.trace(C.load(None, [*base, "train.compile=true"]))
+    assert any(n.startswith("train.compile: traced eagerly") for n in result.notes), result.notes
