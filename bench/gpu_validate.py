@@ -102,6 +102,9 @@ MATRIX = [
         False,
         ('parallel.strategy="zero3"', "parallel.offload_optimizer=true", 'hardware.host_mem="128GiB"'),
     ),
+    # train.compile (issue 21): each decoder layer compiled, its step measured from outside any dispatch
+    # mode (CUDA's allocator); HF Trainer + PEFT beside it with torch_compile=True
+    ("Llama-3.2-1B", "lora", "amp-bf16", 4, 2048, False, ("train.compile=true",)),
     # activation offload: every layer's saved tensors to page-locked host buffers, one layer's on the
     # device (the hooks' bytes are compared with the plan's; the trace refuses offload on a GPU)
     (
@@ -238,6 +241,8 @@ def _measure(cfg, r, device, steps: int, *, mesh) -> dict:
         model = build.buffers_to(build.materialize(model, "cpu"), device)
     else:
         model = build.materialize(build.build_model(r.spec, cfg, r.precision), device)
+    if r.compiles:
+        build.compile_layers(model)
     b = r.batch
     ids = torch.randint(0, r.spec.vocab_size, (b.micro_batch_size, b.seq_len), device=device)
     micro = [{"input_ids": ids, "labels": ids.clone()}]
@@ -256,15 +261,16 @@ def _measure(cfg, r, device, steps: int, *, mesh) -> dict:
         if i == 1:
             if hooks_of is not None:
                 hooks_of.reset_peak()
-            meter = measure.StepMeter(
+            meter = measure.step_meter(r.compiles)(
                 model, optimizer, [t for mb in micro for t in mb.values()], device, lora=cfg.mode in ("lora", "qlora")
             )
         on_phase = meter.on_phase if meter else (lambda phase: None)
         _sync(device)
         t0 = time.perf_counter()
         with meter or contextlib.nullcontext():
-            if meter is not None and device.type == "cuda":  # allocator bytes outside any tensor the tracker sees
-                untracked = torch.cuda.memory_allocated(device) - meter.tracker.total
+            tracker = getattr(meter, "tracker", None)  # a compiled step's meter has none
+            if tracker is not None and device.type == "cuda":  # allocator bytes outside any tensor the tracker sees
+                untracked = torch.cuda.memory_allocated(device) - tracker.total
             if inference:
                 loss = step.eval_forward(model, micro[0], prec=r.precision, device_type=device.type, on_phase=on_phase)
             else:
@@ -351,6 +357,7 @@ def hf_trainer_row(cfg, r, device, steps: int) -> dict:
             dataloader_num_workers=0,
             disable_tqdm=True,
             seed=0,
+            torch_compile=cfg.train.compile is True,  # the compiled row: HF's documented setting beside ours
         )
         trainer = transformers.Trainer(model=model, args=targs, train_dataset=rows, callbacks=[Timer()])
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # it prints the final metrics
