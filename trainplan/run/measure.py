@@ -145,6 +145,8 @@ class CompiledStepMeter:
     buffers, gradients, optimizer state, the batch)."""
 
     def __init__(self, model: nn.Module, optimizer, inputs, device: torch.device, *, lora: bool) -> None:
+        from trainplan import _torch_private as P
+
         self.model, self.device = model, device
         self.cuda: dict[str, dict[str, int | None]] = {}
         self.order: list[str] = []
@@ -161,7 +163,8 @@ class CompiledStepMeter:
             for t in held:
                 local = to_local(t)
                 storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
-            self.base = sum(storages.values())
+            # DDP's gradient buckets live in its C++ reducer: allocated before the step, held through it
+            self.base = sum(storages.values()) + P.ddp_bucket_bytes(model)
 
     def __enter__(self) -> CompiledStepMeter:
         from torch.profiler import ProfilerActivity, profile
