@@ -447,3 +447,35 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def partitioned_backend():
+    """A torch.compile backend that decides what a compiled region saves as inductor does (its
+    decompositions, its joint-graph passes and min-cut partitioner) and then runs the partitioned
+    forward and backward graphs op by op, uncompiled: inductor's saved set, on any tensors (fake
+    ones included), without generating code. torch's `aot_eager_decomp_partition` debugging backend,
+    plus the joint-graph passes that inductor's `partition_fn` runs before the min cut."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import get_nop_func
+    from torch._guards import detect_fake_mode
+    from torch._inductor import compile_fx
+    from torch._inductor.virtualized import V
+
+    def partition(gm, joint_inputs, **kwargs):
+        with V.set_fake_mode(detect_fake_mode(joint_inputs)):  # the joint passes expect inductor's context
+            return compile_fx.partition_fn(gm, joint_inputs, **kwargs)
+
+    return aot_autograd(
+        fw_compiler=get_nop_func(),
+        bw_compiler=get_nop_func(),
+        decompositions=compile_fx.select_decomp_table,
+        partition_fn=partition,
+    )
+
+
+def forget_compiled() -> None:
+    """Drop every torch.compile cache entry of this process (the next call of a compiled function
+    compiles again)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from trainplan import config as C
+from trainplan.errors import ConfigError
 from trainplan.plan import activations as A
 from trainplan.plan.ledger import gib
 from trainplan.plan.tensors import (
@@ -207,7 +208,7 @@ def rank_context(r: Resolved, rank: int, like: RankContext | None = None) -> Ran
         checkpointed=r.checkpointed_layers,
         ck=max(0, min(layers.stop, r.checkpointed_layers) - layers.start),
         act=act,
-        saved=_saved(spec, act),
+        saved=_saved(r, act),
         selective=cfg.memory.checkpointing_policy == "selective",
         offload_acts=_offload_acts(cfg.memory.offload_activations) if r.training else "",
     )
@@ -234,7 +235,7 @@ def _at_micro_batch(like: RankContext, r: Resolved) -> RankContext:
     act = object.__new__(A.ActContext)
     act.__dict__.update(like.act.__dict__, batch=r.batch.micro_batch_size)
     ctx = object.__new__(RankContext)
-    ctx.__dict__.update(like.__dict__, r=r, act=act, saved=_saved(r.spec, act), **_batch_fields(r, like.stage))
+    ctx.__dict__.update(like.__dict__, r=r, act=act, saved=_saved(r, act), **_batch_fields(r, like.stage))
     return ctx
 
 
@@ -563,20 +564,43 @@ def layer_saved_details(ctx: RankContext) -> tuple[tuple[str, int], ...]:
     return ctx.saved[True][2]
 
 
-def _saved(spec: ModelSpec, act: A.ActContext) -> dict[bool, tuple]:
+def _saved(r: Resolved, act: A.ActContext) -> dict[bool, tuple]:
     """One layer's saved tensors, their bytes and (name, bytes) pairs, with its input requiring a
     gradient (True) or not (False), what selective checkpointing keeps ("selective") and the largest
-    saved tensor ("largest"): once per model and activation context."""
-    key = ("layer_saved", act)
+    saved tensor ("largest"): once per model and activation context. Under train.compile a layer
+    saves what inductor's partitioner chose (plan/compiled.py)."""
+    spec = r.spec
+    compiled = r.compiles and r.training
+    key = ("layer_saved", act, compiled)
     if key not in spec.memo:
         out = {}
         for input_requires_grad in (True, False):
-            saved = tuple(A.layer_saved(spec, act, input_requires_grad=input_requires_grad))
+            if compiled:
+                saved = (_compiled_layer(r, act, input_requires_grad),)
+            else:
+                saved = tuple(A.layer_saved(spec, act, input_requires_grad=input_requires_grad))
             out[input_requires_grad] = saved, A.total(saved), tuple((s.name, s.nbytes) for s in saved)
         out["selective"] = None if spec.layer_fit is not None else A.total(A.selective_kept(spec, act))
         out["largest"] = max(out[True][0], key=lambda s: s.nbytes, default=None)  # for the note
         spec.memo[key] = out
     return spec.memo[key]
+
+
+def _compiled_layer(r: Resolved, act: A.ActContext, input_requires_grad: bool) -> A.SavedTensor:
+    if r.dims.tp > 1 or r.dims.pp > 1:
+        raise ConfigError(
+            "train.compile",
+            "the plan measures a compiled layer's saved tensors under data parallelism only",
+            "plan tensor or pipeline parallelism with train.compile = false",
+        )
+    from trainplan.plan import compiled
+
+    fits = compiled.fits(r)
+    fit = fits.rest if input_requires_grad else fits.first
+    return A.SavedTensor(
+        name="decoder layer, compiled (what inductor's partitioner saves, measured on fake tensors)",
+        nbytes=fit.nbytes(act.batch, act.seq),
+    )
 
 
 class ActTerm(NamedTuple):
