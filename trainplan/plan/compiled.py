@@ -40,12 +40,14 @@ class CompiledFits:
 
 
 def _key(r) -> dict:
-    import torch
+    """What a compiled layer's saved tensors depend on: derived.py's key, and torch's version (its
+    partitioner decides)."""
+    from importlib.metadata import version
 
     cfg = r.cfg
     return {
         "version": VERSION,
-        "torch": torch.__version__,
+        "torch": version("torch"),
         "config": r.spec.config,
         "mode": cfg.mode,
         "precision": cfg.precision,
