@@ -123,7 +123,8 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
     if r.compiles:
         notes.append(
             "train.compile: traced eagerly (a fake-tensor trace is a dispatch mode, under which compiled frames "
-            "run eagerly); `trainplan accept` measures the compiled step"
+            "run eagerly); `trainplan plan` asks inductor's partitioner what the compiled layers save, and "
+            "`trainplan accept` measures the compiled step"
         )
     if target == "cuda":
         notes.append(
