@@ -4,8 +4,9 @@ Run: .venv/bin/python bench/train_throughput.py [--steps 8]   (figures in docs/b
      .venv/bin/python bench/train_throughput.py --paired --compile --steps 12   (train.compile against HF's
      torch_compile=True)
 
-Same process, same model (the embedded SmolLM2-135M), same LoRA (r=8 on q_proj, v_proj), same
-packed Python-docs sequences, micro-batch 4 x seq 256, AdamW, fp32 on this CPU. Tokens/s is
+Same process, same model (the embedded SmolLM2-135M), same LoRA (r=8 on q_proj, v_proj) or full
+fine-tuning (--mode full), same packed Python-docs sequences, micro-batch 4 x seq 256 unless
+--micro-batch / --seq say otherwise, AdamW, fp32 on this CPU. Tokens/s is
 the median over steps after the first (warm-up); rounds alternate which loop runs first.
 """
 
@@ -31,6 +32,9 @@ def main() -> None:
         help="--paired: add trainplan's train.compile variant and run HF with torch_compile=True (its documented "
         "setting); the first two pairs (compilation) are dropped",
     )
+    ap.add_argument("--mode", choices=["lora", "full"], default="lora")
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU backend's import-time warning
@@ -44,10 +48,10 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     sets = [
-        "mode=lora",
+        f"mode={args.mode}",
         "precision=fp32",
-        "batch.seq_len=256",
-        "batch.micro_batch_size=4",
+        f"batch.seq_len={args.seq}",
+        f"batch.micro_batch_size={args.micro_batch}",
         "hardware.gpus=cpu",
         "optim.lr=1e-3",
         "lora.dropout=0.05",
@@ -56,9 +60,9 @@ def main() -> None:
     r = resolve.resolve(cfg)
     tokenizer = weights.load_tokenizer(cfg, r.spec)
     train_docs, _ = data.split_documents(data.load_documents("default"), 0.1)
-    ids, labels = data.pack(train_docs, tokenizer, 256, r.spec.vocab_size)
-    micro = 4
-    tokens_per_step = micro * 255
+    ids, labels = data.pack(train_docs, tokenizer, args.seq, r.spec.vocab_size)
+    micro = args.micro_batch
+    tokens_per_step = micro * (args.seq - 1)
 
     def ours() -> list[float]:
         torch.manual_seed(0)
@@ -76,12 +80,13 @@ def main() -> None:
         torch.manual_seed(0)
         directory = weights.weights_dir(cfg)
         model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
-        model = peft.get_peft_model(
-            model,
-            peft.LoraConfig(
-                r=8, lora_alpha=16, lora_dropout=0.05, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
-            ),
-        )
+        if args.mode == "lora":
+            model = peft.get_peft_model(
+                model,
+                peft.LoraConfig(
+                    r=8, lora_alpha=16, lora_dropout=0.05, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+                ),
+            )
         rows = [{"input_ids": ids[i], "labels": labels[i]} for i in range(args.steps * micro)]
         times: list[float] = []
 
@@ -143,7 +148,10 @@ def main() -> None:
         hf_times = hf(interleave=ours_steps)
         skip = 2 if args.compile else 1  # warm-up, and compilation (the first step and its neighbours)
         b = statistics.median(tokens_per_step / h for h in hf_times[skip:])
-        hf_name = "HF Trainer + PEFT" + (", torch_compile" if args.compile else "")
+        hf_name = ("HF Trainer + PEFT" if args.mode == "lora" else "HF Trainer") + (
+            ", torch_compile" if args.compile else ""
+        )
+        print(f"{args.mode}, micro-batch {micro} x seq {args.seq}, {len(hf_times) - skip} pairs")
         print(f"{hf_name + ':':30s} {b:8.1f} tokens/s (median of {len(hf_times) - skip} steps)")
         if args.compile:
             first = runs["compiled, fused loss"][2][0]
