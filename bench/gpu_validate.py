@@ -105,6 +105,10 @@ MATRIX = [
     # train.compile (issue 21): each decoder layer compiled, its step measured from outside any dispatch
     # mode (CUDA's allocator); HF Trainer + PEFT beside it with torch_compile=True
     ("Llama-3.2-1B", "lora", "amp-bf16", 4, 2048, False, ("train.compile=true",)),
+    # fused kernels (issue 21): HF Trainer + PEFT with Liger-Kernel (use_liger_kernel=True: RMSNorm, RoPE,
+    # SwiGLU and its fused linear cross-entropy, Triton) beside trainplan's own chunked loss, the
+    # evaluation that decides whether trainplan adopts Liger on CUDA. "hf:" extras reach HF's side only.
+    ("Llama-3.2-1B", "lora", "amp-bf16", 4, 2048, False, ("hf:liger",)),
     # activation offload: every layer's saved tensors to page-locked host buffers, one layer's on the
     # device (the hooks' bytes are compared with the plan's; the trace refuses offload on a GPU)
     (
@@ -150,7 +154,7 @@ def row_settings(row, model_source: str, gpus: str) -> list[str]:
         f"batch.seq_len={seq}",
         f"memory.activation_checkpointing={toml_literal(ac)}",
         f"hardware.gpus={toml_literal(gpus)}",
-        *extra,
+        *(x for x in extra if not x.startswith("hf:")),
     ]
 
 
@@ -296,8 +300,9 @@ def _measure(cfg, r, device, steps: int, *, mesh) -> dict:
     }
 
 
-def hf_trainer_row(cfg, r, device, steps: int) -> dict:
-    """tokens/s of Hugging Face Trainer + PEFT on the same model, LoRA, batch, precision and checkpointing."""
+def hf_trainer_row(cfg, r, device, steps: int, *, liger: bool = False) -> dict:
+    """tokens/s of Hugging Face Trainer + PEFT on the same model, LoRA, batch, precision and checkpointing
+    (liger: with Liger-Kernel's fused kernels, `use_liger_kernel=True`)."""
     import peft
     import torch
     import transformers
@@ -358,6 +363,7 @@ def hf_trainer_row(cfg, r, device, steps: int) -> dict:
             disable_tqdm=True,
             seed=0,
             torch_compile=cfg.train.compile is True,  # the compiled row: HF's documented setting beside ours
+            use_liger_kernel=liger,
         )
         trainer = transformers.Trainer(model=model, args=targs, train_dataset=rows, callbacks=[Timer()])
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # it prints the final metrics
@@ -367,7 +373,7 @@ def hf_trainer_row(cfg, r, device, steps: int) -> dict:
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     del trainer, model
     _free(device)
-    return {"step_seconds": times, "max_allocated_bytes": peak}
+    return {"step_seconds": times, "max_allocated_bytes": peak, "liger": liger}
 
 
 def _rel(plan: float | None, measured: float | None) -> float | None:
@@ -518,7 +524,7 @@ def validate_row(row, settings, trace_future, device, args, peak_tflops, nvml_ba
             out["hf"] = {"skipped": f"time budget of {args.budget_s:g} s spent"}
         else:
             try:
-                hf = hf_trainer_row(cfg, r, device, args.steps)
+                hf = hf_trainer_row(cfg, r, device, args.steps, liger="hf:liger" in extra)
                 hf.update(throughput(hf["step_seconds"], tokens, flops, peak_tflops, skip={0}))
                 hf["ratio_trainplan_over_hf"] = out["throughput"]["tokens_per_s"] / hf["tokens_per_s"]
                 out["hf"] = hf

@@ -25,6 +25,7 @@ import hashlib
 import json
 
 from trainplan.errors import TrainplanError
+from trainplan.plan import derived
 from trainplan.plan.derived import POINTS, LayerFit, _target, _with_layers, _write, cache_dir
 
 VERSION = 1  # bump when the capture or the fit changes
@@ -40,21 +41,11 @@ class CompiledFits:
 
 
 def _key(r) -> dict:
-    """What a compiled layer's saved tensors depend on: derived.py's key, and torch's version (its
-    partitioner decides)."""
+    """What a compiled layer's saved tensors depend on: what the derived terms' do, and torch's version
+    (its partitioner decides)."""
     from importlib.metadata import version
 
-    cfg = r.cfg
-    return {
-        "version": VERSION,
-        "torch": version("torch"),
-        "config": r.spec.config,
-        "mode": cfg.mode,
-        "precision": cfg.precision,
-        "attention": r.attention,
-        "lora": dataclasses.asdict(cfg.lora) if cfg.mode in ("lora", "qlora") else None,
-        "target": _target(r),
-    }
+    return {**derived._key(r), "compiled": VERSION, "torch": version("torch")}
 
 
 def fits(r) -> CompiledFits:
