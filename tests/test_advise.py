@@ -243,6 +243,27 @@ def test_calibration_from_records():
     assert cal == {"H100-80GB": pytest.approx(0.4 * 0.6), "A100-80GB": pytest.approx(1e4 * 6e9 / (2 * 312e12))}
 
 
+def test_compiled_runs_calibrate_compiled_jobs_and_eager_runs_eager_ones():
+    """A compiled step runs at another MFU than the eager one: the registry's compiled runs calibrate
+    a train.compile job, its eager runs an eager job (and a compiled job that has no compiled runs)."""
+    cal = estimate.calibration_from_records(
+        [
+            {"device": "H100-80GB", "tokens_per_s": 500.0, "estimated_tokens_per_s": 1000.0},
+            {"device": "H100-80GB", "tokens_per_s": 900.0, "estimated_tokens_per_s": 1000.0, "compiled": True},
+        ]
+    )
+    assert cal == {"H100-80GB": pytest.approx(0.2), "H100-80GB, compiled": pytest.approx(0.36)}
+    sets = {"model.source": "Llama-3.1-8B", "mode": "lora", "hardware.gpus": "H100-80GB", "batch.seq_len": 2048}
+    eager = estimate.estimate(resolve(C.load(None, [], sets)), cal)
+    compiled = estimate.estimate(resolve(C.load(None, [], {**sets, "train.compile": True})), cal)
+    assert (eager.mfu, eager.mfu_source) == ({"H100-80GB": pytest.approx(0.2)}, {"H100-80GB": "calibrated"})
+    assert compiled.mfu == {"H100-80GB": pytest.approx(0.36)}
+    assert compiled.mfu_source == {"H100-80GB": "calibrated on compiled runs"}
+    assert compiled.tokens_per_s == pytest.approx(eager.tokens_per_s * 0.36 / 0.2)
+    fallback = estimate.estimate(resolve(C.load(None, [], {**sets, "train.compile": True})), {"H100-80GB": 0.2})
+    assert fallback.mfu_source == {"H100-80GB": "calibrated on eager runs"} and fallback.mfu["H100-80GB"] == 0.2
+
+
 def make_registry(path, rows):
     with sqlite3.connect(path) as db:
         db.execute("CREATE TABLE runs (device TEXT, tokens_per_s REAL, config_toml TEXT)")

@@ -31,6 +31,7 @@ GPUS_PER_NODE = 8  # data parallelism beyond one node crosses the network
 INTER_NODE_GBPS = 50.0  # one 400 Gb/s InfiniBand NDR port per GPU (DGX H100 layout)
 CPU_LINK_GBPS = 5.0  # assumed: gloo between processes on one host
 CPU_CORE_GFLOPS = 96.0  # fp32 per core: 2 AVX2 FMA units x 8 lanes x 2 FLOP x 3 GHz
+COMPILED = ", compiled"  # a calibration's key for the device's compiled runs (train.compile): "H100-80GB, compiled"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,13 +170,20 @@ class _Devices(NamedTuple):
 
 
 @functools.lru_cache(maxsize=256)
-def _devices(devices: tuple[DeviceSpec, ...], world: int, calibration: tuple, qlora: bool) -> _Devices:
+def _devices(
+    devices: tuple[DeviceSpec, ...], world: int, calibration: tuple, qlora: bool, compiled: bool = False
+) -> _Devices:
+    """compiled: the job runs train.compile, calibrated by the device's compiled runs where there are
+    some, else by its eager ones (a compiled step is no slower); an eager job by eager runs only."""
     calibrated = dict(calibration)
     cpu_count = sum(1 for d in devices if d.kind == "cpu")
     mfu, source, rates = {}, {}, []
     for d in {d.name: d for d in devices}.values():
-        if d.name in calibrated:
-            mfu[d.name], source[d.name] = calibrated[d.name], "calibrated"
+        if compiled and d.name + COMPILED in calibrated:
+            mfu[d.name], source[d.name] = calibrated[d.name + COMPILED], "calibrated on compiled runs"
+        elif d.name in calibrated:
+            mfu[d.name] = calibrated[d.name]
+            source[d.name] = "calibrated on eager runs" if compiled else "calibrated"
         else:
             mfu[d.name], source[d.name] = default_mfu(d), "assumed"
         peak = peak_tflops(d, cpu_count)
@@ -205,7 +213,7 @@ def estimate(r: Resolved, calibration: dict[str, float] | None = None) -> StepEs
     fpt = flops_per_token(r)
     flops_per_rank = fpt * batch.tokens_per_step / dims.world_size
     calibrated = tuple(sorted((calibration or {}).items()))
-    devices = _devices(tuple(r.devices), dims.world_size, calibrated, cfg.mode == "qlora")
+    devices = _devices(tuple(r.devices), dims.world_size, calibrated, cfg.mode == "qlora", r.compiles)
     mfu, source = dict(devices.mfu), dict(devices.source)
     times = [flops_per_rank / rate if rate else None for rate in devices.flops_rates]
     compute = None if None in times else max(times)
@@ -241,7 +249,8 @@ def estimate(r: Resolved, calibration: dict[str, float] | None = None) -> StepEs
 
 
 def calibration_from_records(records: list[dict]) -> dict[str, float]:
-    """Measured MFU per device name, the median over runs.
+    """Measured MFU per device name, the median over runs; a record with "compiled" true (a
+    train.compile run) counts under "<name>, compiled" instead (COMPILED).
 
     Each record has "device" (catalog name or "cpu") and "tokens_per_s" (measured), and either
     "estimated_tokens_per_s" (this estimator at the assumed MFU: the measured MFU is the assumed one
@@ -260,7 +269,8 @@ def calibration_from_records(records: list[dict]) -> dict[str, float]:
             value = measured * rec["flops_per_token"] / (rec.get("world_size", 1) * rec["peak_tflops"] * 1e12)
         else:
             continue
-        by_device.setdefault(name, []).append(min(1.0, max(1e-4, value)))
+        key = name + (COMPILED if rec.get("compiled") else "")
+        by_device.setdefault(key, []).append(min(1.0, max(1e-4, value)))
     return {name: statistics.median(values) for name, values in by_device.items()}
 
 
@@ -309,9 +319,17 @@ def records_from_registry(path: str | Path, devices: Iterable[str] | None = None
                 specs[cfg.model.source] = load_model_spec(cfg.model.source)
             if specs[cfg.model.source] is None:
                 continue
-            predicted = estimate(resolve(cfg, specs[cfg.model.source])).tokens_per_s
+            r = resolve(cfg, specs[cfg.model.source])
+            predicted = estimate(r).tokens_per_s
         except (TrainplanError, tomllib.TOMLDecodeError, TypeError, ValueError):
             continue
         if predicted:
-            records.append({"device": device, "tokens_per_s": tokens_per_s, "estimated_tokens_per_s": predicted})
+            records.append(
+                {
+                    "device": device,
+                    "tokens_per_s": tokens_per_s,
+                    "estimated_tokens_per_s": predicted,
+                    "compiled": r.compiles,
+                }
+            )
     return records
