@@ -55,7 +55,16 @@ def fits(r) -> CompiledFits:
     path = cache_dir(r.cfg.model.cache_dir) / f"compiled-{r.spec.model_type}-{digest}.json"
     entry = _read_fits(path)
     if entry is None:
-        points = {point: _capture(r, *point) for point in POINTS}
+        try:
+            points = {point: _capture(r, *point) for point in POINTS}
+        except TrainplanError:
+            raise
+        except Exception as e:  # torch.compile's own failure on this architecture: named, not a traceback
+            raise TrainplanError(
+                f"train.compile: the planner could not compile {r.spec.model_type}'s layers on fake tensors "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); plan with "
+                "train.compile=false, or measure the compiled step with `trainplan accept`"
+            ) from e
         entry = {
             "first": dataclasses.asdict(LayerFit.from_points({p: v[0] for p, v in points.items()})),
             "rest": dataclasses.asdict(LayerFit.from_points({p: v[1] for p, v in points.items()})),
