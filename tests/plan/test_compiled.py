@@ -10,7 +10,6 @@ import pytest
 
 from trainplan import config as C
 from trainplan import resolve
-from trainplan.errors import ConfigError
 from trainplan.plan import activations as A
 from trainplan.plan import analytic, compiled, derived
 
@@ -18,6 +17,7 @@ from trainplan.plan import analytic, compiled, derived
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINPLAN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(compiled, "_FITS", {})  # this process's fits: none yet
 
 
 def _cfg(tmp_path, tiny_llama, *sets: str):
@@ -62,14 +62,27 @@ def test_a_warm_compiled_plan_reads_the_cache_and_imports_no_torch(tmp_path, tin
     )
     warm = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert warm.returncode == 0, warm.stderr[-2000:]
-    entry.write_text("{not json")  # a damaged cache is captured again, not trusted
+    entry.write_text("{not json")  # a damaged cache is captured again, not trusted (by a new process)
+    compiled._FITS.clear()
     again = analytic.plan(cfg)
     assert again.devices[0].peak_allocated == cold.devices[0].peak_allocated and json.loads(entry.read_text())["rest"]
 
 
-def test_compile_beside_tensor_parallelism_is_refused_naming_the_setting(tmp_path, tiny_llama):
-    with pytest.raises(ConfigError, match="train.compile: .*data parallelism only"):
-        analytic.plan(_cfg(tmp_path, tiny_llama, "mode=full", "hardware.gpus=2xH100-80GB", "parallel.tp=2"))
+def test_compile_beside_tensor_parallelism_keeps_the_eager_terms_as_an_upper_bound(tmp_path, tiny_llama):
+    sets = ["mode=full", "hardware.gpus=2xH100-80GB", "parallel.tp=2", "precision=amp-bf16"]
+    ours = analytic.plan(_cfg(tmp_path, tiny_llama, *sets))
+    eager = analytic.plan(_cfg(tmp_path, tiny_llama, *sets, "train.compile=false"))
+    assert ours.devices[0].phases == eager.devices[0].phases and not compiled._FITS
+
+
+def test_under_fsdp_the_layers_are_captured_in_its_mixed_precision(tmp_path, tiny_llama):
+    """FSDP2's MixedPrecisionPolicy computes in bf16 without autocast, the residual stream included;
+    DDP's autocast keeps the full fine-tune's residual stream in fp32: the compiled layers differ."""
+    sets = ["mode=full", "precision=amp-bf16", "hardware.gpus=2xH100-80GB"]
+    ddp = analytic.plan(_cfg(tmp_path, tiny_llama, *sets, "parallel.strategy=ddp"))
+    fsdp = analytic.plan(_cfg(tmp_path, tiny_llama, *sets, "parallel.strategy=zero3"))
+    layer = [sum(n for _, n in led.devices[0].details["activations (one layer)"]) for led in (ddp, fsdp)]
+    assert 0 < layer[1] < layer[0] and len(list((tmp_path / "cache").glob("derived/compiled-*.json"))) == 2
 
 
 def test_eager_layer_terms_stay_when_compile_is_off(tmp_path, tiny_llama):

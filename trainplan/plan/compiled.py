@@ -24,7 +24,7 @@ import dataclasses
 import hashlib
 import json
 
-from trainplan.errors import TrainplanError
+from trainplan.errors import ConfigError, TrainplanError
 from trainplan.plan import derived
 from trainplan.plan.derived import POINTS, LayerFit, _target, _with_layers, _write, cache_dir
 
@@ -41,11 +41,23 @@ class CompiledFits:
 
 
 def _key(r) -> dict:
-    """What a compiled layer's saved tensors depend on: what the derived terms' do, and torch's version
-    (its partitioner decides)."""
-    from importlib.metadata import version
+    """What a compiled layer's saved tensors depend on: what the derived terms' do, whether FSDP2 runs
+    the layers (its mixed precision replaces autocast), and the versions of torch (its partitioner
+    decides), transformers and peft (the layer's code)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    return {**derived._key(r), "compiled": VERSION, "torch": version("torch")}
+    try:
+        versions = {name: version(name) for name in ("torch", "transformers", "peft")}
+    except PackageNotFoundError as e:
+        raise ConfigError(
+            "train.compile",
+            f"planning a compiled step compiles the model's layers, and {e.name} is not installed",
+            "install trainplan[run], or plan with train.compile=false",
+        ) from None
+    return {**derived._key(r), "compiled": VERSION, "fsdp": r.dims.shards_params, **versions}
+
+
+_FITS: dict[str, CompiledFits] = {}  # this process's fits by cache file: the advisor plans many micro-batches
 
 
 def fits(r) -> CompiledFits:
@@ -53,17 +65,19 @@ def fits(r) -> CompiledFits:
     key = _key(r)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     path = cache_dir(r.cfg.model.cache_dir) / f"compiled-{r.spec.model_type}-{digest}.json"
+    if str(path) in _FITS:
+        return _FITS[str(path)]
     entry = _read_fits(path)
     if entry is None:
         try:
             points = {point: _capture(r, *point) for point in POINTS}
-        except TrainplanError:
-            raise
         except Exception as e:  # torch.compile's own failure on this architecture: named, not a traceback
-            raise TrainplanError(
-                f"train.compile: the planner could not compile {r.spec.model_type}'s layers on fake tensors "
-                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); plan with "
-                "train.compile=false, or measure the compiled step with `trainplan accept`"
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise ConfigError(
+                "train.compile",
+                f"the planner could not compile {r.spec.model_type}'s layers on fake tensors "
+                f"({type(e).__name__}: {first})",
+                "plan with train.compile=false, or measure the compiled step with `trainplan accept`",
             ) from e
         entry = {
             "first": dataclasses.asdict(LayerFit.from_points({p: v[0] for p, v in points.items()})),
@@ -71,7 +85,8 @@ def fits(r) -> CompiledFits:
             "points": {f"{b}x{s}": points[(b, s)] for b, s in POINTS},
         }
         _write(path, {**entry, "key": key})
-    return CompiledFits(first=LayerFit(**entry["first"]), rest=LayerFit(**entry["rest"]))
+    _FITS[str(path)] = CompiledFits(first=LayerFit(**entry["first"]), rest=LayerFit(**entry["rest"]))
+    return _FITS[str(path)]
 
 
 def _read_fits(path) -> dict | None:
@@ -106,6 +121,11 @@ def _capture(r, batch: int, seq: int) -> tuple[int, int]:
     shallow = dataclasses.replace(spec, num_layers=2, config=_with_layers(spec.config, 2))
     rr = R.resolve(reduced, shallow)
     model = build.build_model(rr.spec, rr.cfg, rr.precision)
+    # FSDP2's MixedPrecisionPolicy computes in the compute dtype without autocast (params, adapters and
+    # the residual stream 16-bit): the layers run so here
+    fsdp_precision = r.dims.shards_params and rr.precision.autocast
+    if fsdp_precision:
+        model.to(build.dtypes(rr.precision).compute)  # on the meta device, before the fake tensors exist
     with P.fake_mode():
         build.allocate(model, "cpu")
         ids = torch.randint(0, spec.vocab_size, (batch, seq))
@@ -126,13 +146,16 @@ def _capture(r, batch: int, seq: int) -> tuple[int, int]:
     saved: list[dict[int, int]] = [{} for _ in layers]
     current: list[int | None] = [None]
 
-    def enter(i: int, kwargs: dict) -> None:
+    def enter(i: int, args: tuple, kwargs: dict) -> None:
+        """Every tensor a layer is handed but its hidden states (the first argument, or by name)."""
         current[0] = i
-        for name, value in kwargs.items():
-            if name != "hidden_states":
-                for t in value if isinstance(value, tuple) else (value,):
-                    if isinstance(t, torch.Tensor):
-                        skip.add(id(t.untyped_storage()))
+        given = [*args[1:], *(v for k, v in kwargs.items() if k != "hidden_states")]
+        if not args and "hidden_states" not in kwargs:
+            raise AssertionError("a decoder layer called without its hidden states")
+        for value in given:
+            for t in value if isinstance(value, tuple) else (value,):
+                if isinstance(t, torch.Tensor):
+                    skip.add(id(t.untyped_storage()))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()  # alive while saved: its id is its own
@@ -141,15 +164,19 @@ def _capture(r, batch: int, seq: int) -> tuple[int, int]:
         return t
 
     for i, layer in enumerate(layers):
-        layer.register_forward_pre_hook(lambda m, a, kw, i=i: enter(i, kw), with_kwargs=True)
+        layer.register_forward_pre_hook(lambda m, a, kw, i=i: enter(i, a, kw), with_kwargs=True)
         layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None))
     kernels = P.cuda_kernels() if _target(r) == "cuda" else contextlib.nullcontext()
     try:
-        with P.unpacked_sequences(), kernels, step.autocast(rr.precision, "cpu"):
+        autocast = contextlib.nullcontext() if fsdp_precision else step.autocast(rr.precision, "cpu")
+        with P.unpacked_sequences(), kernels, autocast:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 model(input_ids=ids)
     finally:
         P.forget_compiled()  # nor should the capture's count toward a later run's
+    # dynamo's cache was emptied above, so its recompile limit (8 entries per code object; here at most 2,
+    # the layer's input requiring a gradient or not) cannot send a layer back to eager; a layer it
+    # could not compile at all leaves no graph
     if not graphs:
         raise TrainplanError("train.compile: torch.compile ran the planner's layers eagerly: no compiled plan")
     return sum(saved[0].values()), sum(saved[1].values())
