@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
+import functools
 import json
 
 from trainplan.errors import ConfigError, TrainplanError
 from trainplan.plan import derived
-from trainplan.plan.derived import POINTS, LayerFit, _target, _with_layers, _write, cache_dir
+from trainplan.plan.derived import POINTS, LayerFit, _target, _write
 
 VERSION = 1  # bump when the capture or the fit changes
 
@@ -44,17 +44,21 @@ def _key(r) -> dict:
     """What a compiled layer's saved tensors depend on: what the derived terms' do, whether FSDP2 runs
     the layers (its mixed precision replaces autocast), and the versions of torch (its partitioner
     decides), transformers and peft (the layer's code)."""
+    return {**derived._key(r), "compiled": VERSION, "fsdp": r.dims.shards_params, **_versions()}
+
+
+@functools.cache
+def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        versions = {name: version(name) for name in ("torch", "transformers", "peft")}
+        return {name: version(name) for name in ("torch", "transformers", "peft")}
     except PackageNotFoundError as e:
         raise ConfigError(
             "train.compile",
             f"planning a compiled step compiles the model's layers, and {e.name} is not installed",
             "install trainplan[run], or plan with train.compile=false",
         ) from None
-    return {**derived._key(r), "compiled": VERSION, "fsdp": r.dims.shards_params, **versions}
 
 
 _FITS: dict[str, CompiledFits] = {}  # this process's fits by cache file: the advisor plans many micro-batches
@@ -63,8 +67,7 @@ _FITS: dict[str, CompiledFits] = {}  # this process's fits by cache file: the ad
 def fits(r) -> CompiledFits:
     """The compiled layer's fits for this job, from the cache or captured now."""
     key = _key(r)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    path = cache_dir(r.cfg.model.cache_dir) / f"compiled-{r.spec.model_type}-{digest}.json"
+    path = derived.cache_path(r, "compiled-", key)
     if str(path) in _FITS:
         return _FITS[str(path)]
     entry = _read_fits(path)
@@ -105,21 +108,9 @@ def _capture(r, batch: int, seq: int) -> tuple[int, int]:
     import torch
 
     from trainplan import _torch_private as P
-    from trainplan import resolve as R
     from trainplan.run import build, step
 
-    spec, cfg = r.spec, r.cfg
-    reduced = dataclasses.replace(
-        cfg,
-        model=dataclasses.replace(cfg.model, init="random"),
-        batch=dataclasses.replace(
-            cfg.batch, micro_batch_size=batch, seq_len=seq, grad_accum_steps=1, global_batch_size=None
-        ),
-        memory=dataclasses.replace(cfg.memory, activation_checkpointing=False, offload_activations=False),
-        parallel=dataclasses.replace(cfg.parallel, strategy="ddp", tp=1, pp=1, offload_optimizer=False),
-    )
-    shallow = dataclasses.replace(spec, num_layers=2, config=_with_layers(spec.config, 2))
-    rr = R.resolve(reduced, shallow)
+    rr = derived.shallow_job(r, batch, seq, 2)
     model = build.build_model(rr.spec, rr.cfg, rr.precision)
     # FSDP2's MixedPrecisionPolicy computes in the compute dtype without autocast (params, adapters and
     # the residual stream 16-bit): the layers run so here
@@ -128,7 +119,7 @@ def _capture(r, batch: int, seq: int) -> tuple[int, int]:
         model.to(build.dtypes(rr.precision).compute)  # on the meta device, before the fake tensors exist
     with P.fake_mode():
         build.allocate(model, "cpu")
-        ids = torch.randint(0, spec.vocab_size, (batch, seq))
+        ids = torch.randint(0, r.spec.vocab_size, (batch, seq))
     model.train()
     layers = build.decoder_layers(model)
     backend = P.partitioned_backend()

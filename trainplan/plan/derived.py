@@ -59,6 +59,12 @@ def cache_dir(base: str) -> Path:
     return Path(os.environ.get("TRAINPLAN_CACHE") or base).expanduser() / "derived"
 
 
+def cache_path(r, prefix: str, key: dict) -> Path:
+    """The cache file of one key: `<prefix><model_type>-<digest>.json` under cache_dir."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return cache_dir(r.cfg.model.cache_dir) / f"{prefix}{r.spec.model_type}-{digest}.json"
+
+
 def _key(r) -> dict:
     """What a decoder layer's saved tensors depend on (not the batch, seq, devices' count or the
     optimizer): the architecture and the settings that change what autograd saves."""
@@ -86,8 +92,7 @@ def attach(r):
             "plan it with tp = 1 and pp = 1",
         )
     key = _key(r)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    path = cache_dir(r.cfg.model.cache_dir) / f"{spec.model_type}-{digest}.json"
+    path = cache_path(r, "", key)
     entry = _read(path)
     if entry is None:
         entry = _derive(r)
@@ -127,7 +132,6 @@ def _derive(r) -> dict:
     import torch
     import transformers
 
-    from trainplan import resolve as R
     from trainplan.plan import tracestep
     from trainplan.run import build
 
@@ -140,18 +144,8 @@ def _derive(r) -> dict:
     for point in POINTS:
         forward = {}
         for depth in (1, 2):
-            reduced = dataclasses.replace(
-                cfg,
-                model=dataclasses.replace(cfg.model, init="random"),
-                batch=dataclasses.replace(
-                    cfg.batch, micro_batch_size=point[0], seq_len=point[1], grad_accum_steps=1, global_batch_size=None
-                ),
-                memory=dataclasses.replace(cfg.memory, activation_checkpointing=False),
-                parallel=dataclasses.replace(cfg.parallel, strategy="ddp", tp=1, pp=1, offload_optimizer=False),
-                hardware=dataclasses.replace(cfg.hardware, gpus=r.devices[0].name if r.devices[0].is_gpu else "cpu"),
-            )
-            shallow = dataclasses.replace(spec, num_layers=depth, config=_with_layers(spec.config, depth))
-            phases = tracestep.traced_step(R.resolve(reduced, shallow), real=False, target=_target(r), world=1)[0]
+            shallow = shallow_job(r, *point, depth)
+            phases = tracestep.traced_step(shallow, real=False, target=_target(r), world=1)[0]
             raw = phases["forward"]
             forward[depth] = raw.get("activations", 0) + raw.get("inputs", 0)
         layer[point] = forward[2] - forward[1] - casts
@@ -160,6 +154,26 @@ def _derive(r) -> dict:
         "layout": layout,
         "points": {f"{b}x{s}": layer[(b, s)] for b, s in POINTS},
     }
+
+
+def shallow_job(r, batch: int, seq: int, depth: int):
+    """The job with `depth` decoder layers at (micro-batch, seq) on one device: random weights, no
+    accumulation, checkpointing or offload, plain data parallelism (what a layer's saved tensors are
+    measured on)."""
+    from trainplan import resolve as R
+
+    cfg, spec = r.cfg, r.spec
+    reduced = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, init="random"),
+        batch=dataclasses.replace(
+            cfg.batch, micro_batch_size=batch, seq_len=seq, grad_accum_steps=1, global_batch_size=None
+        ),
+        memory=dataclasses.replace(cfg.memory, activation_checkpointing=False, offload_activations=False),
+        parallel=dataclasses.replace(cfg.parallel, strategy="ddp", tp=1, pp=1, offload_optimizer=False),
+        hardware=dataclasses.replace(cfg.hardware, gpus=r.devices[0].name if r.devices[0].is_gpu else "cpu"),
+    )
+    return R.resolve(reduced, dataclasses.replace(spec, num_layers=depth, config=_with_layers(spec.config, depth)))
 
 
 def _layer_casts(r, layout: list) -> int:
