@@ -1,6 +1,7 @@
 """The one-way house: imports run cli -> commands -> verify / advise -> plan -> run -> resolve /
 spec / config, with no circle anywhere. The graph is read from the source (every import statement,
-module level or inside a function), so a lazy import cannot hide an arrow pointing back."""
+module level or inside a function), so a lazy import cannot hide an arrow pointing back. Imports
+under `if TYPE_CHECKING:` are names for annotations, never run: they are no arrow."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trainplan"
 
 # What each room may import from trainplan (beyond itself). The foundation (config, errors,
 # files, resolve, spec, text, _torch_private) is open to everyone and imports only within itself.
-FOUNDATION = {"config", "errors", "files", "resolve", "spec", "text", "_torch_private"}
+FOUNDATION = {"config", "errors", "features", "files", "resolve", "spec", "text", "_torch_private"}
 ALLOWED = {
     "cli": {"commands"},
     "commands": {"verify", "advise", "plan", "run"},
@@ -29,7 +30,8 @@ FOUNDATION_ORDER = {  # inside the foundation, still one way
     "_torch_private": {"errors"},
     "config": {"errors"},
     "spec": {"config", "errors"},
-    "resolve": {"config", "errors", "spec"},
+    "features": {"config", "errors", "spec"},  # each memory option's rules, read by resolve and all above
+    "resolve": {"config", "errors", "features", "spec"},
 }
 
 
@@ -44,6 +46,9 @@ def module_name(path: Path) -> str:
 def imports(path: Path) -> set[str]:
     """Every trainplan module this file imports, at any depth of the file."""
     tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):  # drop the type-only blocks
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            node.body = []
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -124,3 +129,13 @@ def test_the_walk_would_see_a_backward_import(tmp_path, bad):
     f = tmp_path / "m.py"
     f.write_text(f"def later():\n    from {bad.rsplit('.', 1)[0]} import {bad.rsplit('.', 1)[1]}\n")
     assert imports(f) == {bad}
+
+
+def test_the_walk_skips_type_only_imports(tmp_path):
+    """A name imported for annotations only is no arrow; a lazy import beside it still is."""
+    f = tmp_path / "m.py"
+    f.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from trainplan.resolve import Resolved\n"
+        "def later():\n    from trainplan.plan import analytic\n"
+    )
+    assert imports(f) == {"trainplan.plan.analytic"}

@@ -17,6 +17,15 @@ class ConfigError(TrainplanError):
         super().__init__(f"{field}: {problem}; {fix}")
 
 
+class NotRunnable(ConfigError):
+    """A configuration the planner covers but the training engine does not run; `what` names the
+    missing capability in a few words (advise shows it beside the entry)."""
+
+    def __init__(self, field: str, problem: str, fix: str, *, what: str):
+        self.what = what
+        super().__init__(field, problem, fix)
+
+
 class ConfigErrors(ConfigError):
     """Several configuration fields are invalid: one line each, all found before any is reported."""
 

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainplan.errors import ConfigError
+from trainplan.features import lora, sharding
 
 VERSION = 2  # bump when the traced step or the fit changes
 POINTS = ((1, 64), (2, 64), (1, 128), (2, 128))  # (micro-batch, seq)
@@ -75,7 +75,7 @@ def _key(r) -> dict:
         "mode": cfg.mode,
         "precision": cfg.precision,
         "attention": r.attention,
-        "lora": dataclasses.asdict(cfg.lora) if cfg.mode in ("lora", "qlora") else None,
+        "lora": dataclasses.asdict(cfg.lora) if lora.on(cfg) else None,
         "target": _target(r),
     }
 
@@ -85,12 +85,9 @@ def attach(r):
     spec = r.spec
     if not spec.derived or spec.layer_fit is not None:
         return r
-    if r.dims.tp > 1 or r.dims.pp > 1:
-        raise ConfigError(
-            "parallel.tp",
-            f"{spec.model_type} has no hand-written terms, and derived ones cover data parallelism only",
-            "plan it with tp = 1 and pp = 1",
-        )
+    sharding.require_data_parallel(
+        r.dims, f"{spec.model_type} has no hand-written terms, and derived ones", "plan it with tp = 1 and pp = 1"
+    )
     key = _key(r)
     path = cache_path(r, "", key)
     entry = _read(path)

@@ -16,7 +16,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from trainplan import resolve
+from trainplan import features, resolve
 from trainplan.config import RunConfig
 from trainplan.errors import TrainplanError
 from trainplan.plan import analytic
@@ -45,34 +45,6 @@ class TraceResult:
         return sum(self.phases[self.peak_phase].values())
 
 
-def _check_traceable(r: resolve.Resolved) -> None:
-    cfg = r.cfg
-    if cfg.optim.step_in_backward:
-        raise TrainplanError(
-            "optim.step_in_backward: the trace runs the plain optimizer step; use `trainplan plan` (analytic), "
-            "or `trainplan accept` to measure the run"
-        )
-    if cfg.mode == "qlora":
-        raise TrainplanError(
-            "run.mode: qlora needs bitsandbytes on CUDA and cannot be traced on the CPU; "
-            "use `trainplan plan` (analytic) for qlora"
-        )
-    if cfg.optim.name == "adamw-8bit":
-        raise TrainplanError(
-            "optim.name: adamw-8bit needs bitsandbytes on CUDA and cannot be traced; use `trainplan plan` for it"
-        )
-    if cfg.memory.offload_activations and r.devices[0].is_gpu:
-        raise TrainplanError(
-            "memory.offload_activations: the trace runs on one fake device and cannot tell host from GPU memory; "
-            "use `trainplan plan` (analytic), or `trainplan accept` to measure the run"
-        )
-    if r.dims.tp > 1 or r.dims.pp > 1:
-        raise TrainplanError(
-            "parallel.tp/pp: the trace covers data parallelism (DDP, ZeRO, FSDP) only; "
-            "use `trainplan plan` for tensor and pipeline parallelism"
-        )
-
-
 def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) -> tuple[TraceResult, resolve.Resolved]:
     """Trace one warm-up and one measured step on fake tensors; per-phase peaks of the measured one.
 
@@ -83,7 +55,7 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
 
     cfg, _ = choose_checkpointing(cfg, spec)  # "auto": the planner's choice is what is traced
     r = resolve.resolve(cfg, spec)
-    _check_traceable(r)
+    features.check_traceable(r)
     if real and r.dims.shards_params:
         raise TrainplanError("trace: real-tensor validation runs one process; FSDP needs torchrun")
     from trainplan import _torch_private as P

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainplan import features
 from trainplan.config import RunConfig
 from trainplan.errors import ConfigError, TrainplanError
-from trainplan.resolve import with_lora_modules
 from trainplan.run import loss, offload, qlora
 from trainplan.spec.model import ModelSpec, fused_loss_applies
 from trainplan.spec.parallel import ParallelDims
@@ -130,13 +130,10 @@ def build_model(
     """
     import transformers
 
-    if cfg.mode == "qlora":
-        qlora.require_cuda(allow_cpu=allow_cpu)
-        if dims is not None and dims.shards_params:
-            raise TrainplanError(
-                f"run.mode: qlora with parallel.strategy = {dims.strategy} (sharded 4-bit weights) is not run by "
-                "this engine; use ddp"
-            )
+    if features.qlora.on(cfg):  # the one rule train and advise apply too, asked again of the builder
+        cuda = torch.cuda.is_available() or allow_cpu
+        one = ParallelDims(world_size=1, dp=1, tp=1, pp=1, strategy="single")
+        features.qlora.runnable(cfg, dims or one, cuda=cuda)
     dt = dtypes(prec)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(
@@ -144,7 +141,7 @@ def build_model(
         )
     if cfg.mode == "qlora":
         qlora.swap_linears(model, spec, compute_dtype=dt.compute, frozen_dtype=dt.frozen)
-    model = apply_mode(model, with_lora_modules(cfg, spec))  # target sets expanded, however cfg came
+    model = apply_mode(model, features.lora.with_modules(cfg, spec))  # target sets expanded, however cfg came
     tp = dims.tp if dims is not None else 1
     if fused_loss_applies(spec, enabled=cfg.train.fused_loss, mode=cfg.mode, tp=tp):
         loss.install(model, cfg.train.loss_chunk_tokens)

@@ -36,14 +36,6 @@ def _bnb():
     return bitsandbytes
 
 
-def require_cuda(*, allow_cpu: bool = False) -> None:
-    """Refuse qlora without CUDA; `allow_cpu` is for tests, which run bitsandbytes' CPU backend."""
-    if not (torch.cuda.is_available() or allow_cpu):
-        raise TrainplanError(
-            "run.mode: qlora needs bitsandbytes on CUDA; it cannot be built on the CPU (the analytic plan covers it)"
-        )
-
-
 def is_4bit(model: nn.Module) -> bool:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return getattr(base, "is_loaded_in_4bit", False)

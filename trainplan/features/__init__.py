@@ -1,0 +1,69 @@
+"""The memory options, one module each: every rule of an option lives in its module, and the
+registry below applies them in one fixed order (torchtitan's model converters, each one pass).
+
+A feature module exposes:
+  on(cfg) / active(r)        whether the option is set / in force for a resolved job
+  refuse(r)                  the one-line refusals of a job that cannot be planned (ConfigError)
+  runnable(cfg, dims, cuda)  what `trainplan train` cannot run (NotRunnable), asked by train and advise
+  untraceable(r)             why the fake-tensor trace cannot cover the job, or None
+and, where the option changes the bill, its terms (plan/) read its settings through the module's own
+functions, never through the config field itself (tests/test_features.py holds that line).
+
+The foundation: imports config, errors and spec only, and no torch, so `trainplan plan` stays instant.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from trainplan.errors import TrainplanError
+from trainplan.features import (
+    activation_offload,
+    checkpointing,
+    compile,
+    lora,
+    optim8bit,
+    optimizer_offload,
+    qlora,
+    sharding,
+    step_in_backward,
+)
+
+if TYPE_CHECKING:  # a type only: resolve imports this package
+    from trainplan.config import RunConfig
+    from trainplan.resolve import Resolved
+    from trainplan.spec.parallel import ParallelDims
+
+# The order their rules are asked in: the layout first (what the engine runs of it decides most),
+# then the optimizer's, then the model's. The first refusal is the one reported.
+FEATURES = (
+    sharding,
+    optim8bit,
+    optimizer_offload,
+    qlora,
+    lora,
+    checkpointing,
+    activation_offload,
+    compile,
+    step_in_backward,
+)
+
+
+def refuse(r: Resolved) -> None:
+    """Every feature's refusal of a job that cannot be planned, in registry order (the first one raises)."""
+    for feature in FEATURES:
+        feature.refuse(r)
+
+
+def require_runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
+    """Every feature's refusal of what `trainplan train` cannot run (NotRunnable)."""
+    for feature in FEATURES:
+        feature.runnable(cfg, dims, cuda=cuda)
+
+
+def check_traceable(r: Resolved) -> None:
+    """Refuse a job the fake-tensor trace cannot cover, with the feature's reason."""
+    for feature in FEATURES:
+        why = feature.untraceable(r)
+        if why:
+            raise TrainplanError(why)
