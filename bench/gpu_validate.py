@@ -221,10 +221,11 @@ def measure_row(cfg, r, device, steps: int) -> dict:
     """Run `steps` steps of trainplan's own step: step 2 measured per phase, later ones timed.
     Optimizer offload runs as `train` runs it on one GPU: FSDP2 over a one-rank mesh, parameters and
     the optimizer step on the host."""
-    from trainplan.run import build, dist
+    from trainplan import features
+    from trainplan.run import dist
 
     env = dist.DistEnv(rank=0, world=1, local_rank=device.index or 0, device=device)
-    host = build.parameters_on_host(r.dims)
+    host = features.optimizer_offload.on_host(r.dims)
     if host:
         dist.join_alone(env)
     try:
@@ -237,6 +238,7 @@ def measure_row(cfg, r, device, steps: int) -> dict:
 def _measure(cfg, r, device, steps: int, *, mesh) -> dict:
     import torch
 
+    from trainplan import features
     from trainplan.run import build, measure, offload, step
 
     torch.manual_seed(0)
@@ -245,7 +247,7 @@ def _measure(cfg, r, device, steps: int, *, mesh) -> dict:
         model = build.buffers_to(build.materialize(model, "cpu"), device)
     else:
         model = build.materialize(build.build_model(r.spec, cfg, r.precision), device)
-    if r.compiles:
+    if features.torch_compile.active(r):
         build.compile_layers(model)
     b = r.batch
     ids = torch.randint(0, r.spec.vocab_size, (b.micro_batch_size, b.seq_len), device=device)
@@ -265,7 +267,7 @@ def _measure(cfg, r, device, steps: int, *, mesh) -> dict:
         if i == 1:
             if hooks_of is not None:
                 hooks_of.reset_peak()
-            meter = measure.step_meter(r.compiles)(
+            meter = measure.step_meter(features.torch_compile.active(r))(
                 model, optimizer, [t for mb in micro for t in mb.values()], device, lora=cfg.mode in ("lora", "qlora")
             )
         on_phase = meter.on_phase if meter else (lambda phase: None)

@@ -53,11 +53,6 @@ class Resolved:
         return ac
 
     @property
-    def compiles(self) -> bool:
-        """train.compile resolved: "auto" compiles a training run on GPUs."""
-        return features.compile.active(self)
-
-    @property
     def budget_bytes(self) -> int | None:
         """hardware.memory_budget in bytes: a cap on every device's bill."""
         budget = self.cfg.hardware.memory_budget

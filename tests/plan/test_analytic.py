@@ -336,10 +336,12 @@ def test_activation_offload_on_the_cpu_moves_nothing_and_is_refused_where_it_has
         make_cfg(**settings, memory__offload_activations="yes")
     with pytest.raises(ConfigError, match=r"train\.compile: a compiled layer saves other tensors"):
         plan(make_cfg(**settings, memory__offload_activations=True, train__compile=True))
+    from trainplan.features import torch_compile
     from trainplan.resolve import resolve
 
     gpu = {"model__source": "tiny-llama", "hardware__gpus": "H100-80GB", "train__compile": "auto"}
-    assert resolve(make_cfg(**gpu)).compiles and not resolve(make_cfg(**gpu, memory__offload_activations=True)).compiles
+    active = torch_compile.active
+    assert active(resolve(make_cfg(**gpu))) and not active(resolve(make_cfg(**gpu, memory__offload_activations=True)))
     with pytest.raises(TrainplanError, match=r"memory\.offload_activations: the trace runs on one fake device"):
         trace(make_cfg(model__source="tiny-llama", hardware__gpus="H100-80GB", memory__offload_activations=True))
 

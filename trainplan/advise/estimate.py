@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from trainplan import config as C
 from trainplan.errors import TrainplanError
+from trainplan.features import qlora, torch_compile
 from trainplan.resolve import Resolved, resolve
 from trainplan.spec import devices as D
 from trainplan.spec.devices import CATALOG, DeviceSpec, parse_devices
@@ -213,7 +214,7 @@ def estimate(r: Resolved, calibration: dict[str, float] | None = None) -> StepEs
     fpt = flops_per_token(r)
     flops_per_rank = fpt * batch.tokens_per_step / dims.world_size
     calibrated = tuple(sorted((calibration or {}).items()))
-    devices = _devices(tuple(r.devices), dims.world_size, calibrated, cfg.mode == "qlora", r.compiles)
+    devices = _devices(tuple(r.devices), dims.world_size, calibrated, qlora.on(cfg), torch_compile.active(r))
     mfu, source = dict(devices.mfu), dict(devices.source)
     times = [flops_per_rank / rate if rate else None for rate in devices.flops_rates]
     compute = None if None in times else max(times)
@@ -329,7 +330,7 @@ def records_from_registry(path: str | Path, devices: Iterable[str] | None = None
                     "device": device,
                     "tokens_per_s": tokens_per_s,
                     "estimated_tokens_per_s": predicted,
-                    "compiled": r.compiles,
+                    "compiled": torch_compile.active(r),
                 }
             )
     return records

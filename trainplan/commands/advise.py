@@ -24,7 +24,7 @@ from trainplan.advise.rank import (
     train_blocker,
     weights_note,
 )
-from trainplan.advise.search import Request, layouts, search, what_would_fit
+from trainplan.advise.search import TRAIN_MODES, Request, layouts, search, what_would_fit
 from trainplan.commands._common import add_registry_arg
 from trainplan.errors import ConfigError, nearest
 from trainplan.files import write_atomic
@@ -33,7 +33,7 @@ from trainplan.spec.model import load_model_spec
 from trainplan.text import is_terminal
 
 HELP = "search the memory ladder for configurations that fit every device, ranked, with estimated step time"
-MODE_CHOICES = ("auto", "full", "lora", "qlora", "inference")
+MODE_CHOICES = ("auto", *C.MODES)
 PREFERENCES = ("ladder", "speed", "memory", "quality")
 
 
@@ -106,7 +106,7 @@ def request_from_args(args: argparse.Namespace) -> Request:
     steps = training_steps(args, base, spec, g)
     if steps is not None:
         base = replace(base, train=replace(base.train, steps=steps))
-    modes = ("full", "lora", "qlora") if args.mode == "auto" else (args.mode,)
+    modes = TRAIN_MODES if args.mode == "auto" else (args.mode,)
     if args.registry is None:  # the run registry that train and accept write, when there is one
         from trainplan.verify import registry
 

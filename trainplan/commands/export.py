@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from trainplan.commands._common import add_registry_arg, quiet_libraries
+from trainplan.features import qlora
 
 HELP = "write a run's model for use elsewhere: a merged transformers directory (--merge) or the PEFT adapter"
 
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     done = export.export(src, out, merge=args.merge, base=args.base, force=args.force, field="RUN_OR_CHECKPOINT")
     what = {"transformers": "transformers model (AutoModelForCausalLM.from_pretrained)", "peft-adapter": "PEFT adapter"}
     note = " (a full run: already a complete model, nothing to merge)" if args.merge and not src.adapter else ""
-    if args.merge and src.mode == "qlora":
+    if args.merge and src.mode == qlora.MODE:
         note = " (merged into the 16-bit base; the run trained against its 4-bit quantization)"
     print(f"trainplan export: {what[done['format']]} from {src.kind} {src.path} -> {out}{note}")
     print(f"  files: {', '.join(done['files'])}")

@@ -20,13 +20,13 @@ from trainplan.errors import TrainplanError
 from trainplan.features import (
     activation_offload,
     checkpointing,
-    compile,
     lora,
     optim8bit,
     optimizer_offload,
     qlora,
     sharding,
     step_in_backward,
+    torch_compile,
 )
 
 if TYPE_CHECKING:  # a type only: resolve imports this package
@@ -44,7 +44,7 @@ FEATURES = (
     lora,
     checkpointing,
     activation_offload,
-    compile,
+    torch_compile,
     step_in_backward,
 )
 

@@ -31,6 +31,12 @@ def how(r: Resolved, *, cpu: bool) -> str:
     return "fsdp2" if r.dims.shards_params else "zero-offload"
 
 
+def on_host(dims: ParallelDims | None) -> bool:
+    """FSDP2's CPUOffloadPolicy: the parameters are allocated in host memory (buffers on the device), and
+    the optimizer steps there."""
+    return dims is not None and dims.shards_params and dims.offload_optimizer
+
+
 def refuse(r: Resolved) -> None:
     cfg = r.cfg
     if not on(cfg):

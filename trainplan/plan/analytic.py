@@ -17,6 +17,7 @@ import functools
 from typing import NamedTuple
 
 from trainplan import config as C
+from trainplan import features
 from trainplan.plan import activations as A
 from trainplan.plan import lifecycle
 from trainplan.plan import terms as T
@@ -124,15 +125,7 @@ def _fixed_terms(ctx: T.RankContext) -> _Fixed:
 
 
 def _offload(ctx: T.RankContext) -> str:
-    """How parallel.offload_optimizer runs on this rank: "fsdp2" (the engine's: FSDP2's
-    CPUOffloadPolicy keeps each rank's parameter shards, their gradients and the optimizer step on the
-    host), "zero-offload" (DeepSpeed's, planned but not run: states, step and a gradient copy on the
-    host), "none on the CPU" (the host is the device), or "" (off)."""
-    if not ctx.dims.offload_optimizer or not ctx.r.training:
-        return ""
-    if ctx.cpu:
-        return "none on the CPU"
-    return "fsdp2" if ctx.fsdp else "zero-offload"
+    return features.optimizer_offload.how(ctx.r, cpu=ctx.cpu)
 
 
 def _on_device_under_fsdp2_offload(
@@ -492,7 +485,7 @@ def fits_resolved(r: Resolved, memo: dict) -> bool:
     from trainplan.plan import derived
 
     r = derived.attach(r)
-    if r.dims.offload_optimizer or r.cfg.memory.offload_activations:  # the host's bill sums every rank's
+    if features.optimizer_offload.on(r.cfg) or features.activation_offload.on(r.cfg):  # the host sums every rank's
         return plan_resolved(r, memo).fits
     seen = set()
     for rank, key in _bill_keys(r.dims, tuple(r.devices), r.training):
@@ -548,7 +541,7 @@ def _host_ledger(cfg: C.RunConfig, ledgers: list[DeviceLedger], *, fsdp2: bool) 
     if activations:
         pinned = (
             " in page-locked buffers, each rounded up to a power of two"
-            if cfg.memory.offload_activations == "pinned"
+            if features.activation_offload.kind(cfg) == "pinned"
             else ""
         )
         explain["activations"] = (
@@ -596,7 +589,7 @@ def _settings(r: Resolved) -> dict:
                 "dropout": cfg.lora.dropout,
                 "target_modules": cfg.lora.target_modules,
             }
-            if cfg.mode in ("lora", "qlora")
+            if features.lora.on(cfg)
             else None
         ),
     }

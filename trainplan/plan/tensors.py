@@ -4,6 +4,7 @@ shards under TP and FSDP, LoRA shapes, and the optimizer's state and temporaries
 
 from __future__ import annotations
 
+from trainplan.features import optim8bit
 from trainplan.spec.devices import MiB
 from trainplan.spec.model import ModelSpec, ParamTensor
 from trainplan.spec.parallel import ParallelDims
@@ -225,7 +226,7 @@ def optimizer_state_bytes(
         return 0
     if name == "sgd-momentum":
         return numel * state_bytes
-    if name == "adamw-8bit":
+    if optim8bit.is_8bit(name):
         total, quantized = 0, 0
         for s in shapes:
             n = _numel(s)
@@ -256,7 +257,7 @@ def optimizer_temp_bytes(
     single-tensor loop (the default on CPU) holds sqrt() and its division for the largest
     tensor. Fused kernels need none. 8-bit AdamW ignores `impl`: see `bnb_cpu_temp_bytes`.
     """
-    if name == "adamw-8bit":
+    if optim8bit.is_8bit(name):
         return max((bnb_cpu_temp_bytes(_numel(s), state_bytes) for s in shapes), default=0) if cpu else 0
     if not shapes or name == "sgd" or impl == "fused":
         return 0

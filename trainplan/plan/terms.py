@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from trainplan import config as C
+from trainplan import features
 from trainplan.plan import activations as A
 from trainplan.plan.ledger import gib
 from trainplan.plan.tensors import (
@@ -144,7 +145,7 @@ def rank_context(r: Resolved, rank: int, like: RankContext | None = None) -> Ran
     layers, held = tensors.layers, tensors.held
     tp, dp = dims.tp, dims.dp
     full = cfg.mode == "full"
-    lora = cfg.mode in ("lora", "qlora")
+    lora = features.lora.on(cfg)
     fsdp = dims.shards_params
     zero1 = dims.partitions_optimizer_by_tensor and dp > 1
     cpu = device.kind == "cpu"
@@ -182,7 +183,7 @@ def rank_context(r: Resolved, rank: int, like: RankContext | None = None) -> Ran
         held=held,
         n_held=tensors.numel("held", tp),
         trainable=trainable,
-        quantized=tensors.select("quantizable") if cfg.mode == "qlora" else (),
+        quantized=tensors.select("quantizable") if features.qlora.on(cfg) else (),
         head=head,
         full=full,
         lora=lora,
@@ -208,13 +209,9 @@ def rank_context(r: Resolved, rank: int, like: RankContext | None = None) -> Ran
         ck=max(0, min(layers.stop, r.checkpointed_layers) - layers.start),
         act=act,
         saved=_saved(r, act),
-        selective=cfg.memory.checkpointing_policy == "selective",
-        offload_acts=_offload_acts(cfg.memory.offload_activations) if r.training else "",
+        selective=features.checkpointing.selective(cfg),
+        offload_acts=features.activation_offload.kind(cfg),
     )
-
-
-def _offload_acts(setting: bool | str) -> str:
-    return {False: "", True: "pageable", "pinned": "pinned"}[setting]
 
 
 def _batch_fields(r: Resolved, stage: int) -> dict:
@@ -430,7 +427,7 @@ class GradTerm(NamedTuple):
 def in_backward(ctx: RankContext) -> bool:
     """optim.step_in_backward: each parameter is updated by its own optimizer as soon as its gradient
     is formed, and the gradient freed (resolve() allows it on one device without accumulation)."""
-    return ctx.cfg.optim.step_in_backward and ctx.r.training
+    return features.step_in_backward.on(ctx.cfg)
 
 
 def gradients(ctx: RankContext) -> GradTerm:
@@ -506,7 +503,7 @@ def optimizer(ctx: RankContext) -> OptTerm:
                 f" of the {len(shapes)} tensors ({mine / 1e6:,.1f}M params) ZeroRedundancyOptimizer gives "
                 f"rank {ctx.dp_i}: largest first, to the least-loaded rank"
             )
-    impl_text = ("CUDA kernel" if not ctx.cpu else "CPU backend") if name == "adamw-8bit" else impl
+    impl_text = ("CUDA kernel" if not ctx.cpu else "CPU backend") if features.optim8bit.is_8bit(name) else impl
     temp_note = f"{impl_text} {name} step temporaries" + (", of the largest tensor, inside backward" if in_bwd else "")
     return OptTerm(states=states, temp=temp, note=note, temp_note=temp_note)
 
@@ -571,7 +568,7 @@ def _saved(r: Resolved, act: A.ActContext) -> dict[bool, tuple]:
     spec = r.spec
     # tensor and pipeline parallelism keep the eager terms (the capture runs one whole layer): an upper
     # bound for a compiled step, which saves less (docs/memory-model.md)
-    compiled = r.compiles and r.training and r.dims.tp == 1 and r.dims.pp == 1
+    compiled = features.torch_compile.active(r) and r.training and r.dims.tp == 1 and r.dims.pp == 1
     key = ("layer_saved", act, compiled)
     if key not in spec.memo:
         out = {}

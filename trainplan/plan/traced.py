@@ -92,7 +92,7 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
     if not fsdp and dims.keeps_grads_between_steps and cfg.mode != "inference":
         _derive_data_parallel(comps, rows, dims, r, shapes)
         notes.append(f"{dims.strategy} rows derived from the single-rank trace (dp {dims.dp})")
-    if r.compiles:
+    if features.torch_compile.active(r):
         notes.append(
             "train.compile: traced eagerly (a fake-tensor trace is a dispatch mode, under which compiled frames "
             "run eagerly); `trainplan plan` asks inductor's partitioner what the compiled layers save, and "

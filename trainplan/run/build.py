@@ -92,17 +92,13 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, prec: Precision, mesh) -> n
     mp = MixedPrecisionPolicy(
         param_dtype=dt.compute, reduce_dtype=torch.float32 if prec.grad_bytes == 4 else dt.compute
     )
-    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if dims.offload_optimizer else OffloadPolicy()
+    on_host = features.optimizer_offload.on_host(dims)
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if on_host else OffloadPolicy()
     reshard = dims.reshard_after_forward
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
     return model
-
-
-def parameters_on_host(dims: ParallelDims | None) -> bool:
-    """FSDP2's CPUOffloadPolicy: the parameters are allocated in host memory (buffers on the device)."""
-    return dims is not None and dims.shards_params and dims.offload_optimizer
 
 
 def buffers_to(model: nn.Module, device: torch.device | str) -> nn.Module:
@@ -139,7 +135,7 @@ def build_model(
         model = transformers.AutoModelForCausalLM.from_config(
             hf_config(spec, cfg), dtype=dt.param if cfg.mode == "full" else dt.frozen
         )
-    if cfg.mode == "qlora":
+    if features.qlora.on(cfg):
         qlora.swap_linears(model, spec, compute_dtype=dt.compute, frozen_dtype=dt.frozen)
     model = apply_mode(model, features.lora.with_modules(cfg, spec))  # target sets expanded, however cfg came
     tp = dims.tp if dims is not None else 1
@@ -147,11 +143,10 @@ def build_model(
         loss.install(model, cfg.train.loss_chunk_tokens)
     ac = cfg.memory.activation_checkpointing
     if ac is not False and cfg.mode != "inference":
-        checkpoint_layers(model, spec, ac, cfg.memory.checkpointing_policy)
-    if cfg.memory.offload_activations and cfg.mode != "inference":  # the layers not checkpointed
-        offload.install(
-            model, decoder_layers(model)[spec.num_layers if ac is True else int(ac) :], cfg.memory.offload_activations
-        )
+        checkpoint_layers(model, spec, ac, features.checkpointing.policy(cfg))
+    moved = features.activation_offload.kind(cfg)
+    if moved:  # the layers not checkpointed
+        offload.install(model, decoder_layers(model)[spec.num_layers if ac is True else int(ac) :], moved)
     if cfg.mode != "inference":
         model.train()
     if dims is not None and dims.shards_params:
@@ -200,7 +195,7 @@ def checkpoint_layers(model: nn.Module, spec, setting: bool | int | str, policy:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     kwargs = {"use_reentrant": False}
-    if policy == "selective":
+    if policy == features.checkpointing.SELECTIVE:
         kwargs["context_fn"] = _selective_context()
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

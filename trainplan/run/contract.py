@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trainplan.features import lora
 from trainplan.run.dist import to_local
 
 
@@ -65,7 +66,7 @@ def check(
             if ok
             else f"{len(changed)} changed, {len(grads)} with gradients, optimizer {optimizer is not None}"
         )
-    elif mode in ("lora", "qlora"):
+    elif mode in lora.ADAPTER_MODES:
         base_changed = sorted(changed - trainable)
         expected = {n for n in trainable if "lora_A" not in n} if updates == 1 else trainable
         adapters_still = sorted(expected - changed)

@@ -25,6 +25,7 @@ from torch import nn
 
 from trainplan import config as C
 from trainplan.errors import ConfigError
+from trainplan.features import lora
 from trainplan.files import atomic_dir
 from trainplan.resolve import resolve
 from trainplan.run import build, checkpoint, generate, weights
@@ -32,7 +33,7 @@ from trainplan.run.checkpoint.manager import model_fingerprint
 from trainplan.run.result import DIRNAME
 from trainplan.spec.precision import PRECISIONS
 
-ADAPTER_MODES = ("lora", "qlora")
+ADAPTER_MODES = lora.ADAPTER_MODES
 WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")  # pickled weights: never copied
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from trainplan import config as C
+from trainplan import features
 from trainplan.errors import TrainplanError
 from trainplan.run import contract, dist, evaluate, measure, offload, preflight, record, result, step
 from trainplan.run.checkpoint.manager import CheckpointManager
@@ -36,7 +37,7 @@ def run(
     quiet: no progress at all. progress: the caller's reporter (accept's, for its runs); by
     default the run has its own, at train.log_every / log_every_s, on the main rank. bill: the
     plan's per-rank needs of a resolved config, checked by every rank's preflight (setup.prepare)."""
-    env = dist.init(cfg.parallel.timeout_s, host_tensors=cfg.parallel.offload_optimizer)
+    env = dist.init(cfg.parallel.timeout_s, host_tensors=features.optimizer_offload.on(cfg))
     require(cfg.train.report_to)  # a logger whose package is missing is refused before anything is created
     own = progress is None or quiet or not env.is_main
     if own:
@@ -163,7 +164,7 @@ class Trainer:
         if job.cfg.train.measure_memory:
             n = job.resolved.batch.micro_batch_size
             mb = {"input_ids": job.eval.ids[:n].to(env.device), "labels": job.eval.labels[:n].to(env.device)}
-            meter = measure.step_meter(job.resolved.compiles)(
+            meter = measure.step_meter(features.torch_compile.active(job.resolved))(
                 self.model, None, list(mb.values()), env.device, lora=False
             )
             with meter:
@@ -224,7 +225,7 @@ class Trainer:
                 if cfg.train.stop_after and state.step >= cfg.train.stop_after:
                     break
             rec.train_seconds = time.perf_counter() - t_train
-            if self.job.resolved.compiles:
+            if features.torch_compile.active(self.job.resolved):
                 rec.compile = compile_time(self.job.resolved.spec.num_layers, [s["seconds"] for s in rec.steps])
             stage.result = f"at step {state.step}/{cfg.train.steps}, {state.tokens_seen:,} tokens seen"
         rec.sampler = state.sampler.state_dict()
@@ -251,8 +252,8 @@ class Trainer:
         meter = None
         if metered:
             inputs = [t for mb in micro for t in mb.values()]
-            meter = measure.step_meter(job.resolved.compiles)(
-                self.model, state.optimizer, inputs, env.device, lora=job.cfg.mode in ("lora", "qlora")
+            meter = measure.step_meter(features.torch_compile.active(job.resolved))(
+                self.model, state.optimizer, inputs, env.device, lora=features.lora.on(job.cfg)
             )
         guard.begin(state.step + 1, ids)
         hooks = step.StepHooks(on_phase=meter.on_phase if meter else lambda phase: None, decide=guard, inject=inject)

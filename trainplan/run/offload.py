@@ -129,9 +129,9 @@ class ActivationOffload:
         return out
 
 
-def install(model: nn.Module, layers: list[nn.Module], setting: bool | str) -> ActivationOffload:
-    """Offload the saved tensors of `layers` (those not checkpointed); setting: true or "pinned"."""
-    offload = ActivationOffload(pin_memory=setting == "pinned")
+def install(model: nn.Module, layers: list[nn.Module], kind: str) -> ActivationOffload:
+    """Offload the saved tensors of `layers` (those not checkpointed); kind: "pageable" or "pinned"."""
+    offload = ActivationOffload(pin_memory=kind == "pinned")
     offload.install(layers)
     setattr(model, _ATTR, offload)
     return offload

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from trainplan import _torch_private
+from trainplan.features import qlora
 from trainplan.files import write_atomic
 from trainplan.run import checkpoint, data, dist, measure
 
@@ -122,7 +123,7 @@ def versions(mode: str = "full") -> dict:
         "transformers": transformers.__version__,
         "peft": peft.__version__,
     }
-    if mode == "qlora":  # its base weights are bitsandbytes' NF4 kernels' business
+    if mode == qlora.MODE:  # its base weights are bitsandbytes' NF4 kernels' business
         import bitsandbytes
 
         out["bitsandbytes"] = bitsandbytes.__version__

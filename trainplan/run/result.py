@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from trainplan.features import lora
 from trainplan.files import fsync_dir
 from trainplan.run import dist
 
@@ -47,7 +48,7 @@ def _full_state_dict(model: nn.Module, *, trainable_only: bool, main: bool) -> d
 def save(model: nn.Module, tokenizer, mode: str, out_dir: Path, env: dist.DistEnv) -> dict:
     """Write the result of a training run; returns what the run record keeps of it."""
     base = getattr(model, "module", model)  # DDP's wrapper holds the model itself
-    adapter = mode in ("lora", "qlora")
+    adapter = mode in lora.ADAPTER_MODES
     state = _full_state_dict(base, trainable_only=adapter, main=env.is_main)
     final = Path(out_dir) / DIRNAME
     if env.is_main:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from trainplan import config as C
+from trainplan import features
 from trainplan.files import DirLock, require_writable
 from trainplan.resolve import Resolved, require_runnable, resolve
 from trainplan.run import build, data, dist, guard, measure, preflight, step, weights
@@ -111,7 +112,7 @@ def _lock(cfg: C.RunConfig, env: dist.DistEnv) -> tuple[DirLock, ...]:
 
 def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, locks: tuple, progress: Progress) -> Job:
     r = dataclasses.replace(r, spec=weights.as_built(cfg, r.spec))
-    sharded = r.dims.shards_params and (env.world > 1 or r.dims.offload_optimizer)
+    sharded = r.dims.shards_params and (env.world > 1 or features.optimizer_offload.on(r.cfg))
     if sharded and env.world == 1:  # offload on one device: FSDP2 over a one-rank mesh
         dist.join_alone(env, cfg.parallel.timeout_s)
     torch.manual_seed(cfg.train.seed)
@@ -147,7 +148,7 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, l
     meter = measure.PhaseMeter(env.device) if cfg.train.measure_memory else None
     with progress.stage("load weights", cfg.model.source), meter or contextlib.nullcontext():
         model = weights.load_model(cfg, r.spec, r.precision, env.device, dims=r.dims if mesh else None, mesh=mesh)
-    if r.compiles:  # compiled lazily, by the first step (its time is the record's compile.seconds)
+    if features.torch_compile.active(r):  # compiled lazily, by the first step (the record's compile.seconds)
         build.compile_layers(model)
     return Job(
         cfg=cfg,
@@ -230,9 +231,9 @@ def train_state(job: Job, model: torch.nn.Module) -> TrainState:
         o.lr,
         o.weight_decay,
         # FSDP2's CPUOffloadPolicy: the parameters, so the step, are in host memory (the plan's host column)
-        "cpu" if build.parameters_on_host(job.resolved.dims) else env.device.type,
+        "cpu" if features.optimizer_offload.on_host(job.resolved.dims) else env.device.type,
         zero1=zero1,
-        in_backward=o.step_in_backward,
+        in_backward=features.step_in_backward.on(cfg),
     )
     scaler = torch.amp.GradScaler(env.device.type) if job.resolved.precision.loss_scaling else None
     return TrainState(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trainplan.features import optim8bit
 from trainplan.run.data import IGNORE_INDEX
 from trainplan.run.dist import to_local
 from trainplan.run.loss import causal_lm_loss
@@ -275,7 +276,7 @@ def build_optimizer(
     elif name == "adafactor":
         cls = torch.optim.Adafactor
         kwargs = {"lr": lr, "weight_decay": weight_decay, **{k: v for k, v in flags.items() if k == "foreach"}}
-    elif name == "adamw-8bit":
+    elif optim8bit.is_8bit(name):
         # bitsandbytes' blockwise 8-bit AdamW: its CUDA kernels, or its CPU backend (no implementation
         # choice: one kernel per tensor). Not the paged variant: its unified-memory states are
         # outside the device's allocator, so neither the plan nor the allocator could count them.

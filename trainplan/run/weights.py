@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from trainplan import features
 from trainplan.config import RunConfig
 from trainplan.errors import ConfigError, TrainplanError
 from trainplan.run import build, qlora
@@ -134,7 +135,7 @@ def load_model(
 
     allow_cpu: qlora on bitsandbytes' CPU backend (tests only)."""
     model = build.build_model(spec, cfg, prec, dims=dims, mesh=mesh, allow_cpu=allow_cpu)
-    if build.parameters_on_host(dims):  # FSDP2's CPUOffloadPolicy: parameters in host memory, buffers on the device
+    if features.optimizer_offload.on_host(dims):  # FSDP2's CPUOffloadPolicy: parameters on the host, buffers not
         return build.buffers_to(_load_model(model, cfg, spec, torch.device("cpu")), device)
     return _load_model(model, cfg, spec, device)
 

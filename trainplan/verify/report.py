@@ -85,7 +85,7 @@ def run_facts(result: dict) -> list[tuple[str, list[tuple[str, str]]]]:
         ("seed", str(rec["seed"])),
     ]
     lora = cfg.get("lora")
-    if cfg["mode"] in ("lora", "qlora") and lora:
+    if cfg["mode"] in lora.ADAPTER_MODES and lora:
         targets = ", ".join(lora["target_modules"])
         expanded = ", ".join((settings.get("lora") or {}).get("target_modules") or [])
         if expanded and expanded != targets:  # a named set, as resolve() expanded it for this model
