@@ -249,13 +249,14 @@ def test_fsdp2_offload_keeps_shards_gradients_and_the_step_on_the_host(make_cfg)
     assert host.peak_allocated < 4 * (adam + per_rank["optimizer_temp"])  # for-loop temporaries, not foreach's
     # page-locked: each padded parameter shard and each gradient shard (fp32, a quarter of dim 0 each) is
     # rounded up to a power of two by CUDA's caching host allocator
+    from trainplan.plan import context
     from trainplan.plan import terms as T
     from trainplan.resolve import resolve
 
     r = resolve(make_cfg(**settings, parallel__offload_optimizer=True, hardware__host_mem="1TiB"))
     shards = [-(-t.shape[0] // 4) * (t.numel // t.shape[0]) * 4 for t in r.spec.tensors]
     pinned = sum(1 << (n - 1).bit_length() for n in shards)
-    assert T.pinned_fsdp_shards(T.rank_context(r, 0)) == (pinned, pinned)
+    assert T.pinned_fsdp_shards(context.rank_context(r, 0)) == (pinned, pinned)
     assert pinned > sum(shards) and "power of two" in host.explain["optimizer"]
     states_and_step = host.peak_allocated // 4 - 2 * pinned
     assert per_rank["optimizer"] < states_and_step < per_rank["optimizer"] + per_rank["optimizer_temp"]
@@ -285,6 +286,7 @@ def test_activation_offload_moves_the_saved_layers_to_the_host(make_cfg):
     """memory.offload_activations on a GPU: the layers not checkpointed keep one layer's saved tensors on
     the device (forming in forward, back for backward); the rest is the host column's activations,
     rounded up per tensor to a power of two in page-locked buffers. The head and the loss stay."""
+    from trainplan.plan import context
     from trainplan.plan import terms as T
     from trainplan.resolve import resolve
 
@@ -299,7 +301,7 @@ def test_activation_offload_moves_the_saved_layers_to_the_host(make_cfg):
     moved = plan(make_cfg(**settings, memory__offload_activations=True))
     pinned = plan(make_cfg(**settings, memory__offload_activations="pinned"))
     half = plan(make_cfg(**settings, memory__offload_activations=True, memory__activation_checkpointing=16))
-    ctx = T.rank_context(resolve(make_cfg(**settings)), 0)
+    ctx = context.rank_context(resolve(make_cfg(**settings)), 0)
     layer, first = T._layer_saved_bytes(ctx), T._layer_saved_bytes(ctx, input_requires_grad=False)
     dev = moved.devices[0]
     # 32 layers, the first one's input needing no gradient under LoRA

@@ -94,6 +94,6 @@ def test_eager_layer_terms_stay_when_compile_is_off(tmp_path, tiny_llama):
 
 
 def _act(r):
-    from trainplan.plan import terms
+    from trainplan.plan import context
 
-    return terms.rank_context(r, 0).act
+    return context.rank_context(r, 0).act

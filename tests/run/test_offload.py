@@ -83,6 +83,7 @@ def test_offload_hooks_copy_and_restore_bitwise(tiny_run, sets):
     import torch
 
     from trainplan import resolve
+    from trainplan.plan import context
     from trainplan.plan import terms as T
     from trainplan.run import build, offload, step
 
@@ -115,5 +116,5 @@ def test_offload_hooks_copy_and_restore_bitwise(tiny_run, sets):
     plain, _, _ = backward()
     copied, hooks, r = backward("memory.offload_activations=true")
     assert all(torch.equal(a, b) for a, b in zip(plain, copied, strict=True))
-    ctx = T.rank_context(r, 0)
+    ctx = context.rank_context(r, 0)
     assert hooks.peak_bytes == T.activations(ctx).offloaded > 0

@@ -19,7 +19,7 @@ from typing import NamedTuple
 from trainplan import config as C
 from trainplan import features
 from trainplan.plan import activations as A
-from trainplan.plan import lifecycle
+from trainplan.plan import context, lifecycle
 from trainplan.plan import terms as T
 from trainplan.plan.backward import backward_moments
 from trainplan.plan.ledger import DeviceLedger, Ledger, gib
@@ -64,7 +64,7 @@ __all__ = [  # what other modules import from here; the terms themselves live in
 def _backward_copies(ctx: T.RankContext, copies: int) -> int:
     """autocast's weight copies at the start of backward: all of forward's, unless checkpointing
     released the layers' (T.casts_kept_by_checkpointing)."""
-    if ctx.ck and ctx.autocast and ctx.full and not ctx.fsdp:
+    if ctx.ckpt.layers and ctx.autocast and ctx.full and not ctx.shards.fsdp:
         return T.casts_kept_by_checkpointing(ctx)
     return copies
 
@@ -145,7 +145,7 @@ def _on_device_under_fsdp2_offload(
     if "adapter" in out:
         out["adapter"] = adapter.copy
     if out.get("weight_copies"):
-        out["weight_copies"] += -(-ctx.unit_numel // ctx.shard_w) * ctx.prec.param_bytes
+        out["weight_copies"] += -(-ctx.shards.unit_numel // ctx.shards.w) * ctx.prec.param_bytes
     return out
 
 
@@ -153,7 +153,7 @@ def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedg
     """One rank's bill: the terms of plan/terms.py, per phase, with the peak moment of backward.
     `memo`: this rank's, kept across plans of the same job at other micro-batches (the advisor's
     search): the terms the micro-batch does not change are computed once."""
-    ctx = T.rank_context(r, rank, memo.get("ctx") if memo else None)
+    ctx = context.rank_context(r, rank, memo.get("ctx") if memo else None)
     fixed = memo.get(ctx.persistent_grads) if memo else None
     if fixed is None:
         fixed = _fixed_terms(ctx)

@@ -32,18 +32,18 @@ def backward_moments(
     embedding = _embedding_backward(ctx, end, grads, acts)
     if embedding is not None:
         candidates.append(embedding)
-    if ctx.fsdp and ctx.full and ctx.root_numel:
+    if ctx.shards.fsdp and ctx.full and ctx.shards.root_numel:
         candidates.append(_fsdp_root_reduce(ctx, start, grads, acts))
     if ctx.dims.reshard_after_forward:
         # The root unit is resharded after forward and gathered again as backward starts: its
         # all-gather output buffer and the unsharded parameters exist together for a moment.
         regather = dict(start)
-        regather["weight_copies"] = 2 * ctx.root_numel * ctx.cb
+        regather["weight_copies"] = 2 * ctx.shards.root_numel * ctx.cb
         candidates.append(regather)
-    if ctx.fused and ctx.layers and ctx.ck < len(ctx.layers):  # the top layer is not checkpointed
+    if ctx.fused and ctx.layers and ctx.ckpt.layers < len(ctx.layers):  # the top layer is not checkpointed
         top_layer = _top_layer_mlp_backward(ctx, start, end, adapter, grads, acts)
         candidates += [top_layer, _final_norm_backward(ctx, start, top_layer, adapter, grads, acts)]
-    if ctx.ck:
+    if ctx.ckpt.layers:
         candidates.append(_recompute(ctx, start, end, adapter, grads, acts))
     if in_backward(ctx):
         candidates = _step_in_backward(ctx, candidates, start, end, grads, acts)
@@ -94,21 +94,21 @@ def _recompute(
     """Checkpointing: the top checkpointed layer is recomputed while every checkpointed layer's kept
     input still exists. Layers above it (not checkpointed) have run their backward: their saved
     tensors are released and their gradients formed."""
-    top = ctx.layers[ctx.ck - 1]
+    top = ctx.layers[ctx.ckpt.layers - 1]
     moment = dict(end)
-    if ctx.ck == len(ctx.layers):  # every layer of the stage: only the head's gradient exists yet
+    if ctx.ckpt.layers == len(ctx.layers):  # every layer of the stage: only the head's gradient exists yet
         moment["gradients"] = grads.live_fwd + (grads.head if ctx.full and ctx.last else 0)
     elif ctx.full and not ctx.persistent_grads:  # all but those of the layers below, `top` included
-        unformed = ctx.tensors.numel(("below", top + 1), ctx.tp, ctx.shard_g) * ctx.prec.grad_bytes
+        unformed = ctx.tensors.numel(("below", top + 1), ctx.tp, ctx.shards.g) * ctx.prec.grad_bytes
         moment["gradients"] = grads.nbytes - unformed
     else:
         moment["gradients"] = grads.live_fwd
     moment["adapter"] = adapter.live + (adapter.grads if ctx.persistent_grads else 0)
     moment["weight_copies"] = start["weight_copies"]
-    if ctx.autocast and ctx.full and not ctx.fsdp:  # the recomputed layer's casts, made again
+    if ctx.autocast and ctx.full and not ctx.shards.fsdp:  # the recomputed layer's casts, made again
         moment["weight_copies"] = casts_kept_by_checkpointing(ctx, top, plain_layers=False)
     moment["activations"] = (
-        acts.first_layer_bwd + ctx.in_flight * acts.step_inputs + ctx.in_flight * (ctx.ck - 1) * acts.kept
+        acts.first_layer_bwd + ctx.in_flight * acts.step_inputs + ctx.in_flight * (ctx.ckpt.layers - 1) * acts.kept
     )
     return moment
 
@@ -119,7 +119,7 @@ def _backward_end(
     # The end of backward: the first layer's backward runs while every later gradient exists.
     # autocast's weight copies are released layer by layer as backward consumes them
     end_copies = start["weight_copies"]
-    if ctx.autocast and ctx.full and not ctx.fsdp and ctx.layers:
+    if ctx.autocast and ctx.full and not ctx.shards.fsdp and ctx.layers:
         end_copies = autocast_cast_numel(ctx, "cast_in_layer", ctx.layers[0]) * ctx.cb
     end = {
         "weights": start["weights"],
@@ -131,7 +131,7 @@ def _backward_end(
         "buffers": start["buffers"],
         "comm_buffers": comm.end,
     }
-    if ctx.fsdp and ctx.full and ctx.last and ctx.head is not None:
+    if ctx.shards.fsdp and ctx.full and ctx.last and ctx.head is not None:
         # FSDP2 reduce-scatters the root unit's gradients in its final callback, after the whole
         # backward: the head's unsharded gradient (compute dtype) is still there at the end.
         end["comm_buffers"] += ctx.head.numel * ctx.cb
@@ -144,12 +144,12 @@ def _fsdp_root_reduce(ctx: RankContext, start: dict[str, int], grads: GradTerm, 
     copied into one reduce-scatter input of the whole unit in the reduce dtype, and both exist at
     once (measured on the trace: Llama-3.1-8B, 8 ranks, 6.3 GB). With checkpointing, or wherever
     the vocabulary is large beside a layer, this moment is the backward peak."""
-    root_shard = ctx.root_numel * ctx.prec.grad_bytes // ctx.shard_g
+    root_shard = ctx.shards.root_numel * ctx.prec.grad_bytes // ctx.shards.g
     moment = dict(start)
     moment["weight_copies"] = 0
     moment["gradients"] = grads.nbytes - (0 if ctx.persistent_grads else root_shard)
     moment["activations"] = ctx.in_flight * acts.step_inputs
-    moment["comm_buffers"] = ctx.root_numel * (ctx.cb + ctx.prec.grad_bytes)
+    moment["comm_buffers"] = ctx.shards.root_numel * (ctx.cb + ctx.prec.grad_bytes)
     return moment
 
 
@@ -160,7 +160,7 @@ def _embedding_backward(ctx: RankContext, end: dict[str, int], grads: GradTerm, 
     trace: 3 vocab x hidden tensors at once). Where the vocabulary is large beside a layer
     (SmolLM2: 28M of 135M parameters), this moment is the backward peak."""
     emb = ctx.tensors.select("embedding")
-    if not emb or not (ctx.full and ctx.first) or ctx.fsdp or ctx.shard_g > 1:
+    if not emb or not (ctx.full and ctx.first) or ctx.shards.fsdp or ctx.shards.g > 1:
         return None
     emb = emb[0]
     formed = _tp_numel(emb, ctx.tp) * ctx.prec.grad_bytes
@@ -180,7 +180,7 @@ def _top_layer_mlp_backward(
     # saved tensors, the MLP's intermediate gradients, and the gradients formed so far (head,
     # final norm, the top layer's down projection).
     cb, tokens, inter = ctx.cb, ctx.tokens, ctx.inter
-    formed = ctx.tensors.numel("top_down", ctx.tp, ctx.shard_g) if ctx.full else 0  # final norm, top down_proj
+    formed = ctx.tensors.numel("top_down", ctx.tp, ctx.shards.g) if ctx.full else 0  # final norm, top down_proj
     formed_bytes = formed * ctx.prec.grad_bytes
     top_down_in = tokens * inter * cb if ctx.full else 0
     top_layer = dict(end)
@@ -188,11 +188,11 @@ def _top_layer_mlp_backward(
     top_layer["adapter"] = adapter.live + (adapter.grads if ctx.persistent_grads else 0)
     top_layer["weight_copies"] = start["weight_copies"]
     top_layer["comm_buffers"] = start["comm_buffers"]  # no unit has finished its backward yet
-    if ctx.fsdp and ctx.full:  # gradients stay unsharded, in the compute dtype, until their unit's reduce-scatter
+    if ctx.shards.fsdp and ctx.full:  # gradients unsharded, in the compute dtype, till their reduce-scatter
         top_layer["gradients"] = 0
         top_layer["comm_buffers"] += (ctx.head.numel + ctx.tensors.numel("top_down", 1)) * cb  # unsharded
     if ctx.dims.reshard_after_forward and len(ctx.layers) > 1:
-        top_layer["weight_copies"] = start["weight_copies"] + ctx.unit_numel * cb  # the next unit, prefetched
+        top_layer["weight_copies"] = start["weight_copies"] + ctx.shards.unit_numel * cb  # the next unit, prefetched
     top_layer["activations"] = (
         ctx.in_flight * (acts.saved_layers + acts.step_inputs)
         + acts.layer_on_device  # offloaded: the top layer's saved tensors, back on the device
@@ -225,7 +225,7 @@ def _final_norm_backward(
     norm_bwd["gradients"] = grads.live_fwd if ctx.persistent_grads and ctx.full else grads.head
     norm_bwd["weight_copies"] = start["weight_copies"]
     norm_bwd["comm_buffers"] = start["comm_buffers"]
-    if ctx.fsdp and ctx.full:
+    if ctx.shards.fsdp and ctx.full:
         norm_bwd["gradients"] = 0
         norm_bwd["comm_buffers"] += ctx.head.numel * ctx.cb
     if not ctx.full and not ctx.persistent_grads:

@@ -45,14 +45,14 @@ def load(ctx: T.RankContext, weights: T.Term, adapter: T.AdapterTerm, buffers: i
     elif ctx.quantized:
         in_flight = ctx.tensors.largest("quantizable", ctx.tp) * prec.frozen_bytes
         note = f"the largest linear in {ctx.dtype(prec.frozen_bytes)} on the device while it is packed to NF4"
-    elif ctx.fsdp and ctx.cfg.model.init != "random":
+    elif ctx.shards.fsdp and ctx.cfg.model.init != "random":
         nbytes = _held_bytes(ctx)
         full = ctx.tensors.largest("held", ctx.tp)
-        in_flight = (full + -(-full // ctx.shard_w)) * nbytes
+        in_flight = (full + -(-full // ctx.shards.w)) * nbytes
         note = "the largest tensor in full on the device, and its shard, while distribute_tensor scatters it"
-    elif ctx.fsdp and ctx.r.spec.tie_word_embeddings and ctx.tensors.select("embedding"):
+    elif ctx.shards.fsdp and ctx.r.spec.tie_word_embeddings and ctx.tensors.select("embedding"):
         embedding = ctx.tensors.largest("embedding", ctx.tp)
-        in_flight = -(-embedding // ctx.shard_w) * _held_bytes(ctx)
+        in_flight = -(-embedding // ctx.shards.w) * _held_bytes(ctx)
         note = "a second shard of the tied embedding: FSDP2 allocates it for both modules before they are re-tied"
     else:
         in_flight = 0
@@ -77,7 +77,7 @@ def forward_working_set(ctx: T.RankContext) -> tuple[int, int, int]:
         return inputs, layer, 0
     vocab = -(-spec.vocab_size // tp)
     if ctx.fused:  # run/loss.py's chunked head: one chunk's logits at a time, as in training
-        head_bytes = cb if ctx.fsdp else _held_bytes(ctx)
+        head_bytes = cb if ctx.shards.fsdp else _held_bytes(ctx)
         rows = min(ctx.cfg.train.loss_chunk_tokens, tokens)
         cast = vocab * h * cb if head_bytes != cb else 0
         chunk = rows * vocab * (4 + (cb if cb != 4 else 0)) + (rows * h * cb if ctx.residual != cb else 0)
@@ -129,13 +129,13 @@ def save(
     """Saving the result: the state after the last step, plus what the strategy gathers."""
     prec = ctx.prec
     gathered, note = 0, "written as it is (from a GPU, copied to the host a tensor at a time)"
-    if ctx.fsdp:
+    if ctx.shards.fsdp:
         if ctx.full:
             saved, largest, nbytes = ctx.n_held, ctx.tensors.largest("held", ctx.tp), prec.param_bytes
         else:
             saved, largest, nbytes = T.lora_numel(ctx), T.lora_numel(ctx, largest=True), 4
         largest *= nbytes
-        if ctx.cpu and ctx.shard_w == 1:  # one rank (offload on one device): the full tensors are its own
+        if ctx.cpu and ctx.shards.w == 1:  # one rank (offload on one device): the full tensors are its own
             note = "one rank: the full state dict is the parameters themselves, on the host already"
         elif ctx.cpu and ctx.rank == 0:
             gathered = saved * nbytes + GATHER_COPIES * largest

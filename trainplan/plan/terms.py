@@ -1,266 +1,29 @@
 """The terms of one rank's analytic bill, assembled by trainplan/plan/analytic.py. Imports no torch.
 
-`rank_context` computes, once per rank, everything the terms share (the tensors the rank holds,
-dtypes, sharding degrees, the activation context); each component group is then one function of
-that frozen context returning bytes and the line that explains them, as torchtitan splits its
-per-rank setup from the parts built on it.
+Each component group is one function of the rank's frozen context (plan/context.py) returning bytes
+and the line that explains them.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
-from trainplan import config as C
 from trainplan import features
 from trainplan.plan import activations as A
+from trainplan.plan.context import RankContext
 from trainplan.plan.ledger import gib
 from trainplan.plan.tensors import (
     NF4_BYTES,
     NF4_CONSTANTS_BYTES,
     ZERO2_BUCKET_BYTES,
-    StageTensors,
     _numel,
     _shard,
     _sharded_numel,
-    _tp_numel,
     optimizer_state_bytes,
     optimizer_temp_bytes,
-    stage_tensors,
-    zero1_partition,
 )
-from trainplan.resolve import Resolved
-from trainplan.spec.devices import DeviceSpec, MiB
-from trainplan.spec.model import ModelSpec, ParamTensor
-from trainplan.spec.parallel import ParallelDims, ResolvedBatch
-from trainplan.spec.precision import Precision
-
-# ---- the per-rank context --------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankContext:
-    """What every term of one rank's bill depends on, computed once by `rank_context`."""
-
-    r: Resolved
-    rank: int
-    device: DeviceSpec
-    stage: int  # pipeline stage
-    dp_i: int  # data-parallel index
-    first: bool  # the stage holds the embedding
-    last: bool  # the stage holds the head and computes the loss
-    layers: range  # decoder layers of the stage
-    tensors: StageTensors  # the stage's tensors and memoized sums over them
-    held: tuple[ParamTensor, ...]  # parameter tensors of the stage
-    n_held: int  # their elements on this tensor-parallel rank
-    trainable: tuple[ParamTensor, ...]  # every held tensor under full fine-tuning, none otherwise
-    quantized: tuple[ParamTensor, ...]  # QLoRA's NF4 linear and expert weights
-    head: ParamTensor | None  # the trainable lm_head (or the embedding tied to it): its gradient comes first
-    full: bool  # full fine-tuning
-    lora: bool  # LoRA or QLoRA adapters
-    lora_targets: frozenset[str]
-    lora_shapes: tuple[tuple[int, ...], ...]  # the stage's adapter tensors, tensor-parallel shards
-    opt_shapes: tuple[tuple[int, ...], ...]  # trainable shapes whose optimizer states this rank holds
-    opt_key: tuple  # what opt_shapes depends on: the key of sums over them in `tensors`
-    fsdp: bool  # the strategy shards parameters (FSDP2)
-    zero1: bool  # the engine's ZeroRedundancyOptimizer partition
-    shard_w: int  # how many ways weights, gradients and optimizer states are split evenly
-    shard_g: int
-    shard_o: int
-    root_numel: int  # FSDP: the root unit (embedding, final norm, head) per tensor-parallel rank
-    unit_numel: int  # FSDP: the largest decoder-layer unit
-    cpu: bool
-    cb: int  # compute dtype bytes
-    autocast: bool
-    residual: int  # residual stream bytes
-    persistent_grads: bool  # gradients live from one micro-batch's backward into the next forward
-    fused: bool  # the fused (chunked) loss runs on this stage
-    in_flight: int  # micro-batches whose activations a pipeline stage holds at once
-    checkpointed: int  # activation checkpointing: the first `checkpointed` decoder layers of the model
-    ck: int  # of them, the ones on this stage (its first `ck` layers)
-    act: A.ActContext
-    saved: dict  # `_saved`: one layer's saved tensors, its input requiring grad or not; "selective": kept bytes
-    selective: bool  # memory.checkpointing_policy = "selective"
-    offload_acts: str  # memory.offload_activations while training: "" (off), "pageable" or "pinned"
-
-    @property
-    def spec(self) -> ModelSpec:
-        return self.r.spec
-
-    @property
-    def cfg(self) -> C.RunConfig:
-        return self.r.cfg
-
-    @property
-    def prec(self) -> Precision:
-        return self.r.precision
-
-    @property
-    def dims(self) -> ParallelDims:
-        return self.r.dims
-
-    @property
-    def batch(self) -> ResolvedBatch:
-        return self.r.batch
-
-    @property
-    def tp(self) -> int:
-        return self.r.dims.tp
-
-    @property
-    def tokens(self) -> int:
-        return self.act.tokens
-
-    @property
-    def inter(self) -> int:
-        """MLP intermediate width on this tensor-parallel rank, times the experts a token visits."""
-        return self.spec.intermediate_size // self.tp * (self.spec.experts_per_token or 1)
-
-    def dtype(self, nbytes: int) -> str:
-        return {4: "fp32", 2: self.prec.compute_dtype}[nbytes]
-
-
-def _fsdp_units(stage: StageTensors, tp: int) -> tuple[int, int]:
-    """FSDP units' elements per tensor-parallel rank: the root unit (embedding, final norm, head)
-    and the largest decoder layer."""
-    per_layer_numel: dict[int, int] = {}  # one pass over the tensors, not one per layer
-    for t in stage.held:
-        if t.layer is not None:
-            per_layer_numel[t.layer] = per_layer_numel.get(t.layer, 0) + _tp_numel(t, tp)
-    unit = max((per_layer_numel.get(i, 0) for i in stage.layers), default=0)
-    return stage.numel("root", tp), unit
-
-
-def rank_context(r: Resolved, rank: int, like: RankContext | None = None) -> RankContext:
-    """Everything one rank's terms share, computed once. `like`: this rank's context of the same job
-    at another micro-batch (the advisor's search): only what the micro-batch changes is recomputed."""
-    if like is not None:
-        return _at_micro_batch(like, r)
-    spec, cfg, prec, dims = r.spec, r.cfg, r.precision, r.dims
-    device = r.devices[rank]
-    stage, dp_i, _ = dims.coords(rank)
-    first, last = stage == 0, stage == dims.pp - 1
-    tensors = stage_tensors(spec, dims, stage)
-    layers, held = tensors.layers, tensors.held
-    tp, dp = dims.tp, dims.dp
-    full = cfg.mode == "full"
-    lora = features.lora.on(cfg)
-    fsdp = dims.shards_params
-    zero1 = dims.partitions_optimizer_by_tensor and dp > 1
-    cpu = device.kind == "cpu"
-    cb = prec.compute_bytes
-    # FSDP's MixedPrecisionPolicy replaces autocast: params are all-gathered in the compute
-    # dtype, so the residual stream is 16-bit too. Under plain autocast the residual stream is
-    # fp32 when the embedding's stored weight is (full fine-tuning); a frozen base is stored in
-    # the compute dtype, so LoRA's residual stream is 16-bit.
-    autocast = prec.autocast and not fsdp
-    residual = 4 if (autocast and full) else cb
-    trainable = held if full else ()
-    targets = frozenset(cfg.lora.target_modules) if lora else frozenset()
-    lora_shapes = tensors.lora_shapes(cfg.lora.r, targets, tp) if lora else ()
-    mine = tensors.shapes(tp) if full else lora_shapes
-    opt_key = ("full", tp) if full else ("lora", cfg.lora.r, targets, tp)
-    if zero1:
-        opt_key += (dp, dp_i)
-        opt_shapes = tensors.memo(("zero1", opt_key), lambda: tuple(zero1_partition(list(mine), dp)[dp_i]))
-    else:
-        opt_shapes = mine
-    root, unit = tensors.memo(("fsdp_units", tp), lambda: _fsdp_units(tensors, tp)) if fsdp else (0, 0)
-    heads = tensors.select("lm_head") or (tensors.select("embedding") if spec.tie_word_embeddings else ())
-    head = heads[0] if full and heads else None
-    act = _act_context(r, full=full, fsdp=fsdp, autocast=autocast, residual=residual, targets=targets, cpu=cpu)
-    return RankContext(
-        r=r,
-        rank=rank,
-        device=device,
-        stage=stage,
-        dp_i=dp_i,
-        first=first,
-        last=last,
-        layers=layers,
-        tensors=tensors,
-        held=held,
-        n_held=tensors.numel("held", tp),
-        trainable=trainable,
-        quantized=tensors.select("quantizable") if features.qlora.on(cfg) else (),
-        head=head,
-        full=full,
-        lora=lora,
-        lora_targets=targets,
-        lora_shapes=lora_shapes,
-        opt_shapes=opt_shapes,
-        opt_key=opt_key,
-        fsdp=fsdp,
-        zero1=zero1,
-        shard_w=dp if fsdp else 1,
-        shard_g=dp if dims.shards_grads else 1,
-        # ZeRO-1 gives whole tensors to ranks (opt_shapes) rather than splitting each one
-        shard_o=dp if dims.shards_optimizer and not zero1 else 1,
-        root_numel=root,
-        unit_numel=unit,
-        cpu=cpu,
-        cb=cb,
-        autocast=autocast,
-        residual=residual,
-        fused=r.fused_loss and last,
-        **_batch_fields(r, stage),
-        checkpointed=r.checkpointed_layers,
-        ck=max(0, min(layers.stop, r.checkpointed_layers) - layers.start),
-        act=act,
-        saved=_saved(r, act),
-        selective=features.checkpointing.selective(cfg),
-        offload_acts=features.activation_offload.kind(cfg),
-    )
-
-
-def _batch_fields(r: Resolved, stage: int) -> dict:
-    """The fields of RankContext that depend on the micro-batch through the accumulation steps."""
-    dims, accum = r.dims, r.batch.grad_accum_steps
-    return {
-        "persistent_grads": dims.keeps_grads_between_steps or accum > 1,
-        "in_flight": min(dims.pp - stage, accum) if dims.pp > 1 else 1,
-    }
-
-
-def _at_micro_batch(like: RankContext, r: Resolved) -> RankContext:
-    if (like.r.dims is not r.dims and like.r.dims != r.dims) or like.act.seq != r.batch.seq_len:
-        raise AssertionError("rank_context(like=...) takes a context of the same job at another micro-batch")
-    # frozen dataclasses: copy the fields, then set the batch's (dataclasses.replace would validate
-    # every field again, a third of the advisor's time per plan)
-    act = object.__new__(A.ActContext)
-    act.__dict__.update(like.act.__dict__, batch=r.batch.micro_batch_size)
-    ctx = object.__new__(RankContext)
-    ctx.__dict__.update(like.__dict__, r=r, act=act, saved=_saved(r, act), **_batch_fields(r, like.stage))
-    return ctx
-
-
-def _act_context(
-    r: Resolved, *, full: bool, fsdp: bool, autocast: bool, residual: int, targets: frozenset[str], cpu: bool
-) -> A.ActContext:
-    """What plan/activations.py needs to list the tensors a layer saves for backward."""
-    spec, cfg, batch, cb = r.spec, r.cfg, r.batch, r.precision.compute_bytes
-    return A.ActContext(
-        batch=batch.micro_batch_size,
-        seq=batch.seq_len,
-        compute_bytes=cb,
-        residual_bytes=residual,
-        autocast=autocast,
-        trainable_linears=frozenset(lin.module for lin in spec.layer_linears) if full else frozenset(),
-        norms_trainable=full,
-        lora_targets=targets,
-        lora_r=cfg.lora.r,
-        lora_dropout=cfg.lora.dropout,
-        adapter_bytes=cb if fsdp else 4,  # FSDP2 gathers the adapters in its param dtype too
-        # MoE experts run transformers' grouped matmul, which autocast does not cover: it casts its
-        # input to the experts' own dtype (FSDP2: the dtype it gathers them in)
-        expert_bytes=cb if fsdp else (r.precision.param_bytes if full else r.precision.frozen_bytes),
-        attention=r.attention,
-        cpu=cpu,
-        dropout_active=r.training,
-        tp=r.dims.tp,
-    )
-
+from trainplan.spec.devices import MiB
 
 # ---- component groups ------------------------------------------------------------------------
 
@@ -273,7 +36,7 @@ class Term(NamedTuple):
 def weights(ctx: RankContext) -> Term:
     """Parameters as stored: trainable ones in the param dtype, a frozen base in its storage dtype,
     QLoRA's linear layers in NF4 with their quantization constants."""
-    prec, tp, shard_w, stage = ctx.prec, ctx.tp, ctx.shard_w, ctx.tensors
+    prec, tp, shard_w, stage = ctx.prec, ctx.tp, ctx.shards.w, ctx.tensors
     w_train = stage.numel("held", tp, shard_w) * prec.param_bytes if ctx.full else 0
     w_quant = int(stage.numel("quantizable", tp, shard_w) * (NF4_BYTES + NF4_CONSTANTS_BYTES)) if ctx.quantized else 0
     not_quantized = "unquantized" if ctx.quantized else "held"
@@ -303,7 +66,7 @@ def autocast_cast_numel(
         return 0
     args: tuple = (ctx.r.fused_loss, ctx.last)
     if subset == "cast_kept":
-        args += (ctx.checkpointed if plain_layers else ctx.spec.num_layers, layer)
+        args += (ctx.ckpt.model_layers if plain_layers else ctx.spec.num_layers, layer)
     elif subset != "cast":
         args += (layer,)
     return ctx.tensors.numel((subset, *args), ctx.tp)
@@ -320,14 +83,14 @@ def casts_kept_by_checkpointing(ctx: RankContext, layer: int | None = None, *, p
 def weight_copies(ctx: RankContext) -> Term:
     """Weights held in a second dtype from forward until backward ends (the same in both)."""
     cb, dtype = ctx.cb, ctx.prec.compute_dtype
-    if ctx.fsdp:
+    if ctx.shards.fsdp:
         if ctx.dims.reshard_after_forward:
             # The root unit (embedding, final norm, head) stays gathered from the first layer to the
             # loss; each decoder layer is gathered for its own forward and backward.
             return Term(
-                (ctx.root_numel + ctx.unit_numel) * cb,
-                f"FSDP keeps the root unit ({ctx.root_numel / 1e6:,.1f}M params) and one decoder layer "
-                f"({ctx.unit_numel / 1e6:,.1f}M) all-gathered in {dtype}",
+                (ctx.shards.root_numel + ctx.shards.unit_numel) * cb,
+                f"FSDP keeps the root unit ({ctx.shards.root_numel / 1e6:,.1f}M params) and one decoder layer "
+                f"({ctx.shards.unit_numel / 1e6:,.1f}M) all-gathered in {dtype}",
             )
         return Term(
             ctx.n_held * cb,
@@ -364,33 +127,33 @@ def lora_numel(ctx: RankContext, *, largest: bool = False) -> int:
     """The stage's adapter elements on this tensor-parallel rank, or its largest adapter tensor's."""
 
     def compute() -> int:
-        numels = [_numel(s) for s in ctx.lora_shapes]
+        numels = [_numel(s) for s in ctx.adapters.shapes]
         return max(numels, default=0) if largest else sum(numels)
 
-    return ctx.tensors.memo(("lora numel", ctx.cfg.lora.r, ctx.lora_targets, ctx.tp, largest), compute)
+    return ctx.tensors.memo(("lora numel", ctx.cfg.lora.r, ctx.adapters.targets, ctx.tp, largest), compute)
 
 
 def adapter(ctx: RankContext) -> AdapterTerm:
     n_adapter = lora_numel(ctx)
     name, in_bwd = ctx.cfg.optim.name, in_backward(ctx)
     states = 0
-    if ctx.lora:
+    if ctx.adapters.on:
         states = _opt_bytes(
             ctx,
             ("states", name, 4, ctx.cpu, in_bwd),
-            lambda: optimizer_state_bytes(name, list(ctx.opt_shapes), 4, ctx.cpu, in_backward=in_bwd),
+            lambda: optimizer_state_bytes(name, list(ctx.shards.opt_shapes), 4, ctx.cpu, in_backward=in_bwd),
         )
-        states //= ctx.shard_o
+        states //= ctx.shards.o
     note = None
-    if ctx.lora:
+    if ctx.adapters.on:
         note = (
-            f"LoRA r={ctx.cfg.lora.r} on {', '.join(sorted(ctx.lora_targets))}: {n_adapter / 1e6:,.2f}M "
+            f"LoRA r={ctx.cfg.lora.r} on {', '.join(sorted(ctx.adapters.targets))}: {n_adapter / 1e6:,.2f}M "
             "fp32 params, with their gradients and optimizer states"
         )
     return AdapterTerm(
-        weights=-(-n_adapter // ctx.shard_w) * 4,
+        weights=-(-n_adapter // ctx.shards.w) * 4,
         # step in backward: one adapter tensor's gradient at a time, the largest
-        grads=lora_numel(ctx, largest=True) * 4 if in_bwd else -(-n_adapter // ctx.shard_g) * 4,
+        grads=lora_numel(ctx, largest=True) * 4 if in_bwd else -(-n_adapter // ctx.shards.g) * 4,
         states=states,
         copy=n_adapter * ctx.cb if ctx.prec.autocast else 0,
         note=note,
@@ -405,12 +168,12 @@ def pinned_fsdp_shards(ctx: RankContext) -> tuple[int, int]:
     """FSDP2's CPUOffloadPolicy on a GPU, in host bytes: (parameter shards, gradient shards). It pins
     each padded parameter shard, and each gradient shard's non-blocking copy to the host lands in
     page-locked memory too; CUDA's caching host allocator rounds every one up to a power of two."""
-    tp, shards, prec = ctx.tp, ctx.shard_w, ctx.prec
+    tp, shards, prec = ctx.tp, ctx.shards.w, ctx.prec
     stored = prec.param_bytes if ctx.full else prec.frozen_bytes
-    padded = [_sharded_numel(t, tp, shards) for t in ctx.held]
+    padded = [_sharded_numel(t, tp, shards) for t in ctx.tensors.held]
     weights = sum(_pow2(n * stored) for n in padded)
     grads = sum(_pow2(n * prec.grad_bytes) for n in padded) if ctx.full else 0
-    for shape in ctx.lora_shapes:  # fp32 adapters, sharded on dim 0 as well
+    for shape in ctx.adapters.shapes:  # fp32 adapters, sharded on dim 0 as well
         n = _shard(shape[0], math.prod(shape[1:]), shards) * 4
         weights, grads = weights + _pow2(n), grads + _pow2(n)
     return weights, grads
@@ -431,7 +194,7 @@ def in_backward(ctx: RankContext) -> bool:
 
 
 def gradients(ctx: RankContext) -> GradTerm:
-    tp, shard_g, grad_bytes = ctx.tp, ctx.shard_g, ctx.prec.grad_bytes
+    tp, shard_g, grad_bytes = ctx.tp, ctx.shards.g, ctx.prec.grad_bytes
     if in_backward(ctx):
         # one gradient at a time, freed by its update: at most the largest tensor's
         largest = ctx.tensors.largest("held", tp) * grad_bytes if ctx.full else 0
@@ -470,8 +233,8 @@ class OptTerm(NamedTuple):
 def optimizer(ctx: RankContext) -> OptTerm:
     """The base weights' optimizer states (full fine-tuning; the adapters' are in `adapter`) and
     the step's temporaries (the adapters' under LoRA)."""
-    name, prec, shard_o, in_bwd = ctx.cfg.optim.name, ctx.prec, ctx.shard_o, in_backward(ctx)
-    shapes = ctx.opt_shapes
+    name, prec, shard_o, in_bwd = ctx.cfg.optim.name, ctx.prec, ctx.shards.o, in_backward(ctx)
+    shapes = ctx.shards.opt_shapes
     states = 0
     if ctx.full:
         states = _opt_bytes(
@@ -497,11 +260,11 @@ def optimizer(ctx: RankContext) -> OptTerm:
     note = None
     if ctx.full:
         note = f"{name} states in {ctx.dtype(prec.state_bytes)}" + (f" / {shard_o} shards" if shard_o > 1 else "")
-        if ctx.zero1:
+        if ctx.shards.zero1:
             mine = sum(_numel(t) for t in shapes)
             note += (
                 f" of the {len(shapes)} tensors ({mine / 1e6:,.1f}M params) ZeroRedundancyOptimizer gives "
-                f"rank {ctx.dp_i}: largest first, to the least-loaded rank"
+                f"rank {ctx.shards.dp_i}: largest first, to the least-loaded rank"
             )
     impl_text = ("CUDA kernel" if not ctx.cpu else "CPU backend") if features.optim8bit.is_8bit(name) else impl
     temp_note = f"{impl_text} {name} step temporaries" + (", of the largest tensor, inside backward" if in_bwd else "")
@@ -510,7 +273,7 @@ def optimizer(ctx: RankContext) -> OptTerm:
 
 def _opt_bytes(ctx: RankContext, key: tuple, compute) -> int:
     """compute() over the rank's optimizer shapes, once per shape set and `key` (what else it reads)."""
-    return ctx.tensors.memo(("optimizer", ctx.opt_key, *key), compute)
+    return ctx.tensors.memo(("optimizer", ctx.shards.opt_key, *key), compute)
 
 
 class CommTerm(NamedTuple):
@@ -527,12 +290,12 @@ def comm_buffers(ctx: RankContext, grads: int) -> CommTerm:
     end, note = steady, None
     if ctx.dims.reshard_after_forward:
         # the unsharded gradient of a layer before its reduce-scatter: only once layers run backward
-        unit_grads = ctx.unit_numel * ctx.prec.grad_bytes if ctx.full else 0
+        unit_grads = ctx.shards.unit_numel * ctx.prec.grad_bytes if ctx.full else 0
         end += unit_grads
         if unit_grads:
             note = "the unsharded gradient of one FSDP unit before its reduce-scatter"
     elif ctx.dims.keeps_grad_partition and ctx.full:  # ZeRO-2 reduces into its partition a bucket at a time
-        end += min(ZERO2_BUCKET_BYTES, grads * ctx.shard_g)
+        end += min(ZERO2_BUCKET_BYTES, grads * ctx.shards.g)
         note = "one 25 MiB gradient bucket being reduced"
     return CommTerm(steady=steady, end=end, note=note)
 
@@ -558,42 +321,6 @@ def _layer_saved_bytes(ctx: RankContext, *, input_requires_grad: bool = True) ->
 def layer_saved_details(ctx: RankContext) -> tuple[tuple[str, int], ...]:
     """(name, bytes) of each tensor one layer saves, for the ledger's details."""
     return ctx.saved[True][2]
-
-
-def _saved(r: Resolved, act: A.ActContext) -> dict[bool, tuple]:
-    """One layer's saved tensors, their bytes and (name, bytes) pairs, with its input requiring a
-    gradient (True) or not (False), what selective checkpointing keeps ("selective") and the largest
-    saved tensor ("largest"): once per model and activation context. Under train.compile a layer
-    saves what inductor's partitioner chose (plan/compiled.py)."""
-    spec = r.spec
-    # tensor and pipeline parallelism keep the eager terms (the capture runs one whole layer): an upper
-    # bound for a compiled step, which saves less (docs/memory-model.md)
-    compiled = features.torch_compile.active(r) and r.training and r.dims.tp == 1 and r.dims.pp == 1
-    key = ("layer_saved", act, compiled)
-    if key not in spec.memo:
-        out = {}
-        for input_requires_grad in (True, False):
-            if compiled:
-                saved = (_compiled_layer(r, act, input_requires_grad),)
-            else:
-                saved = tuple(A.layer_saved(spec, act, input_requires_grad=input_requires_grad))
-            out[input_requires_grad] = saved, A.total(saved), tuple((s.name, s.nbytes) for s in saved)
-        out["selective"] = None if spec.layer_fit is not None else A.total(A.selective_kept(spec, act))
-        # for the note (a compiled layer's figure is one sum, no tensor of its own)
-        out["largest"] = None if compiled else max(out[True][0], key=lambda s: s.nbytes, default=None)
-        spec.memo[key] = out
-    return spec.memo[key]
-
-
-def _compiled_layer(r: Resolved, act: A.ActContext, input_requires_grad: bool) -> A.SavedTensor:
-    from trainplan.plan import compiled
-
-    fits = compiled.fits(r)
-    fit = fits.rest if input_requires_grad else fits.first
-    return A.SavedTensor(
-        name="decoder layer, compiled (what inductor's partitioner saves, measured on fake tensors)",
-        nbytes=fit.nbytes(act.batch, act.seq),
-    )
 
 
 class ActTerm(NamedTuple):
@@ -625,9 +352,9 @@ def activations(ctx: RankContext) -> ActTerm:
     spec, act, batch, in_flight = ctx.spec, ctx.act, ctx.batch, ctx.in_flight
     n_layers = len(ctx.layers)
     per_layer, per_layer_bytes = _layer_saved(ctx), _layer_saved_bytes(ctx)
-    ck = ctx.ck  # the stage's first ck layers keep only their input (checkpointing)
+    ck = ctx.ckpt.layers  # the stage's first ck layers keep only their input (checkpointing)
     layer_in = ctx.tokens * spec.hidden_size * ctx.residual
-    kept = layer_in + (ctx.saved["selective"] if ctx.selective else 0)  # per checkpointed layer
+    kept = layer_in + (ctx.saved["selective"] if ctx.ckpt.selective else 0)  # per checkpointed layer
     saved_layers = ck * kept + (n_layers - ck) * per_layer_bytes
     first_plain = ctx.first and not ctx.full and ck == 0
     if first_plain:
@@ -654,16 +381,16 @@ def activations(ctx: RankContext) -> ActTerm:
         f"{in_flight} micro-batch(es) in flight"
         + (f"; largest saved tensor {top.name} {gib(top.nbytes)}" if top else "")
     )
-    what = f"input and matmul and attention outputs ({gib(kept)})" if ctx.selective else f"input ({gib(layer_in)})"
+    what = f"input and matmul and attention outputs ({gib(kept)})" if ctx.ckpt.selective else f"input ({gib(layer_in)})"
     if ck == n_layers and ck:
         note = (
-            f"{'selective ' if ctx.selective else ''}checkpointing keeps each layer's {what} x {n_layers} "
+            f"{'selective ' if ctx.ckpt.selective else ''}checkpointing keeps each layer's {what} x {n_layers} "
             f"layers x {in_flight} micro-batch(es) in flight, plus one layer recomputed in "
             f"backward ({gib(per_layer_bytes)})"
         )
     elif ck:
         note = (
-            f"{'selective ' if ctx.selective else ''}checkpointing the first {ck} of {n_layers} layers keeps "
+            f"{'selective ' if ctx.ckpt.selective else ''}checkpointing the first {ck} of {n_layers} layers keeps "
             f"each one's {what} (one "
             f"recomputed at a time in backward); the other {n_layers - ck} layers x {plain}"
         )
@@ -735,7 +462,7 @@ def _first_layer_backward(ctx: RankContext, layer_in: int) -> int:
     else:  # by the time the MLP's input gradients are formed, down_proj's backward has released its input
         mlp_bwd = 4 * tokens * inter * cb - (tokens * inter * cb if ctx.full else 0)
     first_layer_bwd = saved + mlp_bwd + layer_in  # + the residual stream's gradient
-    if ctx.ck and ctx.residual != 4:  # else the norm's fp32 input is the kept input
+    if ctx.ckpt.layers and ctx.residual != 4:  # else the norm's fp32 input is the kept input
         first_layer_bwd += layer_in
     return first_layer_bwd
 
@@ -749,7 +476,7 @@ def logits_loss(ctx: RankContext, grads: GradTerm) -> LossTerm:
     spec, prec, tokens, chunk = ctx.spec, ctx.prec, ctx.tokens, ctx.cfg.train.loss_chunk_tokens
     head_grad = grads.head if (ctx.full and not ctx.persistent_grads) else 0
     if ctx.fused:
-        head_bytes = ctx.cb if ctx.fsdp else (prec.param_bytes if ctx.full else prec.frozen_bytes)
+        head_bytes = ctx.cb if ctx.shards.fsdp else (prec.param_bytes if ctx.full else prec.frozen_bytes)
         logits = A.fused_loss_bytes(spec, ctx.act, chunk_tokens=chunk, head_trainable=ctx.full, head_bytes=head_bytes)
         note = (
             f"fused loss: {min(chunk, tokens)} of {tokens} tokens' logits "
