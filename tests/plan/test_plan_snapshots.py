@@ -155,10 +155,10 @@ SNAPSHOT_HOST_BYTES = 25_276_502_016
 
 
 def test_plan_json_is_byte_identical_to_the_snapshots(monkeypatch):
-    from trainplan.plan import analytic
+    from trainplan.plan import offload
     from trainplan.spec import devices
 
-    for module in (analytic, devices):
+    for module in (offload, devices):
         monkeypatch.setattr(module, "host_memory_bytes", lambda: SNAPSHOT_HOST_BYTES)
     got = {name: render(case) for name, case in cases().items()}
     if os.environ.get("TRAINPLAN_UPDATE_SNAPSHOTS"):

@@ -19,7 +19,7 @@ from typing import NamedTuple
 from trainplan import config as C
 from trainplan import features
 from trainplan.plan import activations as A
-from trainplan.plan import context, lifecycle
+from trainplan.plan import context, lifecycle, offload
 from trainplan.plan import terms as T
 from trainplan.plan.backward import backward_moments
 from trainplan.plan.ledger import DeviceLedger, Ledger, gib
@@ -35,7 +35,7 @@ from trainplan.plan.tensors import (
     zero1_partition,
 )
 from trainplan.resolve import Resolved, resolve
-from trainplan.spec.devices import DeviceSpec, host_memory_bytes, parse_size
+from trainplan.spec.devices import DeviceSpec
 from trainplan.spec.model import ModelSpec
 from trainplan.spec.parallel import ParallelDims
 from trainplan.spec.precision import Precision
@@ -95,26 +95,7 @@ def _fixed_terms(ctx: T.RankContext) -> _Fixed:
         if term.note:
             explain[key] = term.note
     explain["optimizer_temp"] = opt.temp_note
-    host_bytes = 0
-    offload = _offload(ctx)
-    if offload == "zero-offload":  # states, step temporaries and a gradient copy move to the host
-        host_bytes = opt.states + opt.temp + grads.nbytes + adapter.states
-        explain["optimizer"] = "offloaded to host memory (see the host column)"
-        opt, adapter = opt._replace(states=0, temp=0), adapter._replace(states=0)
-    elif offload == "fsdp2":
-        # the step runs on the host's tensors, with the host's optimizer implementation
-        host_opt = T.optimizer(dataclasses.replace(ctx, cpu=True))
-        pinned_weights, pinned_grads = T.pinned_fsdp_shards(ctx)
-        if T.in_backward(ctx):  # a gradient hook reads each gradient at once: FSDP2 copies it pageable
-            pinned_grads = grads.nbytes + adapter.grads
-        host_bytes = pinned_weights + pinned_grads + host_opt.states + host_opt.temp + adapter.states
-        for key in ("weights", "gradients", "optimizer", "optimizer_temp"):
-            explain[key] = "this rank's shard is in host memory (FSDP2 CPUOffloadPolicy; see the host column)"
-    elif offload == "none on the CPU":
-        explain["optimizer"] = (
-            explain.get("optimizer", "") + " (parallel.offload_optimizer: on the CPU the host is the device, so "
-            "FSDP2's offload moves nothing)"
-        ).lstrip()
+    host_bytes, opt, adapter = offload.optimizer_on_host(ctx, grads, opt, adapter, explain)
     buffers = T.buffers(ctx)
     load, load_note = lifecycle.load(ctx, weights, adapter, buffers)
     save, save_note = lifecycle.save(ctx, weights, adapter, grads, opt, buffers)
@@ -122,31 +103,6 @@ def _fixed_terms(ctx: T.RankContext) -> _Fixed:
     return _Fixed(
         weights, copies, adapter, grads, opt, buffers, runtime, load, save, host_bytes, explain, load_note, save_note
     )
-
-
-def _offload(ctx: T.RankContext) -> str:
-    return features.optimizer_offload.how(ctx.r, cpu=ctx.cpu)
-
-
-def _on_device_under_fsdp2_offload(
-    ctx: T.RankContext, phase: dict[str, int], adapter: T.AdapterTerm, head_grad: int
-) -> dict:
-    """One moment's device bill under FSDP2's CPUOffloadPolicy: the parameter shards, their gradients
-    (each reduce-scattered shard is copied to the host) and the optimizer live in host memory; the
-    device keeps what is gathered or computed, plus, while a unit is gathered, its shard copied over
-    for the all-gather. `head_grad`: the loss's gradient term of the moment (the head's, formed on the
-    device and reduce-scattered with the root unit after backward): it stays, where the moment has it."""
-    out = dict(phase)
-    for component in ("weights", "optimizer", "optimizer_temp"):
-        if component in out:
-            out[component] = 0
-    if "gradients" in out:
-        out["gradients"] = min(out["gradients"], head_grad)
-    if "adapter" in out:
-        out["adapter"] = adapter.copy
-    if out.get("weight_copies"):
-        out["weight_copies"] += -(-ctx.shards.unit_numel // ctx.shards.w) * ctx.prec.param_bytes
-    return out
 
 
 def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedger:
@@ -206,10 +162,10 @@ def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedg
         forming["activations"] += acts.layer_on_device - ctx.in_flight * A.total(acts.head_saved)
         phases["forward"] = max(phases["forward"], forming, key=lambda c: sum(c.values()))
     moments = backward_moments(ctx, phases["backward"], adapter, grads, acts, comm)
-    offloaded = _offload(ctx) == "fsdp2"
+    offloaded = offload.how(ctx) == "fsdp2"
     if offloaded:
         head_grad = loss.by_phase["backward_grads"]
-        moments = [_on_device_under_fsdp2_offload(ctx, m, adapter, head_grad) for m in moments]
+        moments = [offload.on_device_under_fsdp2(ctx, m, adapter, head_grad) for m in moments]
     phases["backward"] = max(moments, key=lambda c: sum(c.values()))
     if not T.in_backward(ctx):  # optim.step_in_backward: the updates ran in backward (plan/backward.py)
         phases["optimizer"] = {
@@ -228,7 +184,7 @@ def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedg
     if offloaded:
         for name in ("load", "forward", "optimizer", "evaluate", "save"):
             if name in phases:
-                phases[name] = _on_device_under_fsdp2_offload(ctx, phases[name], adapter, 0)
+                phases[name] = offload.on_device_under_fsdp2(ctx, phases[name], adapter, 0)
     return _device_ledger(
         r,
         rank,
@@ -474,7 +430,7 @@ def plan_resolved(r: Resolved, memo: dict | None = None) -> Ledger:
             bills[key].for_rank(label=_label(device, rank), device=device, role=_role(r.dims, rank), rank=rank)
         )
     offloaded = any(led.offload_bytes or led.host_activation_bytes for led in ledgers)  # none on the CPU
-    host = _host_ledger(r.cfg, ledgers, fsdp2=r.dims.shards_params) if offloaded else None
+    host = offload.host_ledger(r.cfg, ledgers, fsdp2=r.dims.shards_params) if offloaded else None
     return Ledger(model=r.spec.summary(), settings=_settings(r), devices=ledgers, host=host, notes=_notes(r))
 
 
@@ -519,49 +475,6 @@ def _bill(r: Resolved, rank: int, key: tuple, memo: dict | None) -> DeviceLedger
     if at not in slot:
         slot[at] = _rank_ledger(r, rank, slot)
     return slot[at]
-
-
-def _host_ledger(cfg: C.RunConfig, ledgers: list[DeviceLedger], *, fsdp2: bool) -> DeviceLedger:
-    """Host memory under offload: what every rank on the node keeps there. The offloaded activations
-    are there at the end of forward (backward releases them layer by layer) beside the optimizer's
-    bytes, which include the step's temporaries: their sum bounds the host's peak from above."""
-    host_cap = parse_size(cfg.hardware.host_mem, "hardware.host_mem") if cfg.hardware.host_mem else host_memory_bytes()
-    host_dev = DeviceSpec(name="host RAM", kind="cpu", capacity_bytes=host_cap, bf16=True, peak_tflops=None)
-    offloaded = sum(led.offload_bytes for led in ledgers)
-    activations = sum(led.host_activation_bytes for led in ledgers)
-    explain = {}
-    if offloaded:
-        explain["optimizer"] = (
-            "the parameter shards and their gradients (page-locked, each rounded up to a power of two; gradients "
-            "pageable under optim.step_in_backward), optimizer states and step temporaries of every rank on this "
-            "node (FSDP2 CPUOffloadPolicy)"
-            if fsdp2
-            else "optimizer states, their step temporaries and a gradient copy of every rank on this node"
-        )
-    if activations:
-        pinned = (
-            " in page-locked buffers, each rounded up to a power of two"
-            if features.activation_offload.kind(cfg) == "pinned"
-            else ""
-        )
-        explain["activations"] = (
-            f"the saved tensors of the layers not checkpointed, every rank's on this node{pinned} "
-            "(memory.offload_activations)"
-        )
-    roles = [what for what, n in (("optimizer", offloaded), ("activations", activations)) if n]
-    return DeviceLedger(
-        label="host",
-        device=host_dev,
-        role=f"offloaded {' and '.join(roles)} (all ranks)",
-        phases={
-            "forward" if activations else "optimizer": {
-                k: v for k, v in (("optimizer", offloaded), ("activations", activations)) if v
-            }
-        },
-        runtime_bytes=0,
-        reserve_fraction=0.0,
-        explain=explain,
-    )
 
 
 def _settings(r: Resolved) -> dict:
