@@ -3,6 +3,7 @@ import json
 import pytest
 
 from trainplan.errors import ConfigError
+from trainplan.spec import gguf as G
 from trainplan.spec import model as M
 
 torch = pytest.importorskip("torch")
@@ -72,7 +73,7 @@ def test_embedded_default_is_smollm2_from_gguf():
 def test_gguf_header_reader_agrees_with_gguf_package():
     gguf = pytest.importorskip("gguf")
     path = M.default_gguf_path()
-    meta, names = M._read_gguf_header(path)
+    meta, names = G._read_gguf_header(path)
     reader = gguf.GGUFReader(str(path))
     assert names == {t.name for t in reader.tensors}
     for key in (
