@@ -91,13 +91,13 @@ def test_every_problem_is_reported_at_once(tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     fields = [line.split(": error: ", 1)[1].split(":", 1)[0] for line in lines]
     assert sorted(fields) == ["batch.seq_len", "guard.threshold", "optim.lr", "run.mode", "train.bogus"], lines
-    with pytest.raises(C.ConfigError) as e:  # a caller catching one ConfigError still catches them all
+    with pytest.raises(ConfigError) as e:  # a caller catching one ConfigError still catches them all
         C.load(str(cfg))
     assert len(e.value.errors) == 5
 
 
 def test_settings_that_conflict_only_together_are_still_refused():
-    with pytest.raises(C.ConfigError, match="guard.min_history"):
+    with pytest.raises(ConfigError, match="guard.min_history"):
         C.load(None, ["guard.window=4", "guard.min_history=9"])
 
 

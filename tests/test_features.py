@@ -34,7 +34,7 @@ OWNER = {
     "compile": {"features/torch_compile.py"},
 }
 # The exceptions, each with its reason.
-EVERYONE = {"config.py"}  # the schema: declares every field, its accepted values, and checks each one's type
+EVERYONE = {"config/schema.py"}  # the schema: declares every field, its accepted values, and checks each one's type
 EXCEPTIONS = {
     # ParallelDims is the one validated layout object (STYLE.md): it carries the flag because at
     # data-parallel degree 1 FSDP2 stays for it (the offload needs the policy)

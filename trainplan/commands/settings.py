@@ -1,5 +1,5 @@
 """`trainplan settings` (and `trainplan config --show [CONFIG]`): every config key with its value,
-default, type, one-line meaning and the flag that sets it. The meanings are config.py's own
+default, type, one-line meaning and the flag that sets it. The meanings are config/schema.py's own
 comments on each field, so they cannot drift from the code."""
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def meanings() -> dict[str, str]:
-    """`section.key` -> the comment on its field in config.py (the trailing one, else the comment
+    """`section.key` -> the comment on its field in config/schema.py (the trailing one, else the comment
     lines just above it)."""
     from trainplan import config as C
 
-    source = open(C.__file__, encoding="utf-8").read()
+    source = open(C.schema.__file__, encoding="utf-8").read()
     lines = source.splitlines()
     classes = {cls.__name__: section for section, cls in C._SECTION_TYPES.items()} | {"RunConfig": ""}
     out: dict[str, str] = {}

@@ -12,6 +12,7 @@ import torch
 
 from trainplan import config as C
 from trainplan import features
+from trainplan.errors import ConfigError
 from trainplan.files import DirLock, require_writable
 from trainplan.resolve import Resolved, require_runnable, resolve
 from trainplan.run import build, data, dist, guard, measure, preflight, step, weights
@@ -58,7 +59,7 @@ def prepare(
     preflight checks before the model is built (run/preflight.py)."""
     progress = progress or Progress.off()
     if cfg.checkpoint.resume == "auto" and not (cfg.train.output_dir or cfg.checkpoint.dir):
-        raise C.ConfigError(
+        raise ConfigError(
             "checkpoint.resume",
             '"auto" looks in the run\'s own directory, and a run without train.output_dir gets a new, empty one',
             "give the --output-dir (or checkpoint.dir) of the run to continue",
@@ -135,7 +136,7 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, l
         )
     per_step = r.batch.micro_batch_size * env.world
     if train.ids.shape[0] < per_step and not cfg.train.overfit_batches:
-        raise C.ConfigError(
+        raise ConfigError(
             "batch.micro_batch_size",
             f"{r.batch.micro_batch_size} per rank x {env.world} rank(s) needs {per_step} sequences at once, but the "
             f"training split packs to {train.ids.shape[0]} of {seq} tokens: samples would repeat within a batch",

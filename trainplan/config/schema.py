@@ -1,19 +1,16 @@
-"""RunConfig: one validated configuration that drives plan, train and accept.
-
-Nested keyword-only dataclasses; each section validates itself in __post_init__ and names the
-field (`batch.micro_batch_size`) and the fix. Load from TOML, then apply `--set key=value`.
+"""The sections of a RunConfig: nested keyword-only dataclasses, each validating itself in __post_init__
+and naming the field (`batch.micro_batch_size`) and the fix; the comment on each field is its meaning
+(`trainplan settings` reads them from this file).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from trainplan.errors import ConfigError, ConfigErrors, nearest
+from trainplan.errors import ConfigError, nearest
 
 MODES = ("full", "lora", "qlora", "inference")
 PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16")
@@ -443,171 +440,3 @@ _SECTION_TYPES = {
     "guard": GuardConfig,
 }
 _TOP_KEYS = ("mode", "precision")
-
-
-def _known_keys() -> list[str]:
-    keys = [f"run.{k}" for k in _TOP_KEYS] + list(_TOP_KEYS)
-    for sec, cls in _SECTION_TYPES.items():
-        keys += [f"{sec}.{f.name}" for f in dataclasses.fields(cls)]
-    return keys
-
-
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    if parts[0] == "run":
-        parts = parts[1:]
-    if len(parts) == 1 and parts[0] in _TOP_KEYS:
-        tree[parts[0]] = value
-        return
-    if len(parts) != 2 or parts[0] not in _SECTION_TYPES:
-        raise ConfigError(dotted, "unknown setting", nearest(dotted, _known_keys()))
-    tree.setdefault(parts[0], {})[parts[1]] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """'batch.seq_len=2048' -> ('batch.seq_len', 2048); the value is read as a TOML literal."""
-    if "=" not in text:
-        raise ConfigError("--set", f"{text!r} is not key=value", "write e.g. --set batch.seq_len=2048")
-    key, raw = (s.strip() for s in text.split("=", 1))
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw  # a bare word such as lora or H100-80GB
-    return key, value
-
-
-def from_dict(tree: dict) -> RunConfig:
-    """Build and validate a RunConfig from a TOML-shaped dict; unknown keys are errors. Every
-    problem is found before one is reported: one ConfigError, or ConfigErrors listing them all."""
-    tree = dict(tree)
-    run = tree.pop("run", {}) or {}
-    if not isinstance(run, dict):
-        raise ConfigError("run", f"must be a table of settings (got {run!r})", 'write e.g. [run] with mode = "lora"')
-    top = {k: tree.pop(k) for k in _TOP_KEYS if k in tree}
-    top.update({k: v for k, v in run.items()})
-    problems: list[ConfigError] = []
-    sections: dict[str, Any] = {}
-    for name, body in tree.items():
-        cls = _SECTION_TYPES.get(name)
-        if cls is None or not isinstance(body, dict):
-            problems.append(
-                ConfigError(name, "unknown section or setting", nearest(name, list(_SECTION_TYPES) + list(_TOP_KEYS)))
-            )
-            continue
-        section = _section(name, cls, body, problems)
-        if section is not None:
-            sections[name] = section
-    for key in top:
-        if key not in _TOP_KEYS:
-            problems.append(ConfigError(f"run.{key}", "unknown setting", nearest(key, list(_TOP_KEYS))))
-            continue
-        try:
-            check_type(f"run.{key}", "str", top[key])
-            RunConfig(**{key: top[key]})
-        except ConfigError as e:
-            problems.append(e)
-    if problems:
-        raise problems[0] if len(problems) == 1 else ConfigErrors(problems)
-    return RunConfig(**top, **sections)
-
-
-def _section(name: str, cls: type, body: dict, problems: list[ConfigError]):
-    """One section, built; or None with its problems appended: each setting is checked on its own
-    (type, finiteness, its own range), so one bad value does not hide the next."""
-    fields = {f.name: f.type for f in dataclasses.fields(cls)}
-    bad = []
-    for key, value in body.items():
-        where = f"{name}.{key}"
-        try:
-            if key not in fields:
-                raise ConfigError(where, "unknown setting", nearest(where, sorted(f"{name}.{a}" for a in fields)))
-            if isinstance(value, float) and not math.isfinite(value):  # nan and inf pass every range check
-                raise ConfigError(where, f"must be a finite number (got {value})", "give a finite value")
-            check_type(where, fields[key], value)
-            _ALONE[0] = True
-            try:
-                cls(**{key: value})
-            finally:
-                _ALONE[0] = False
-        except ConfigError as e:
-            if e.field == where or key not in fields:
-                problems.append(e)
-                bad.append(key)
-    if bad:
-        return None
-    try:  # what only the settings together can break
-        return cls(**body)
-    except ConfigError as e:
-        problems.append(e)
-    except TypeError as e:  # a wrong type the dataclass itself rejected
-        problems.append(ConfigError(name, str(e), "check the section's value types"))
-    return None
-
-
-_TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
-
-
-def check_type(where: str, annotation: str, value: Any) -> None:
-    """`value` has the field's declared type (annotations are strings here: "int", "float",
-    "bool", "str", "list[str]", "int | None"). A string where a list is expected is refused rather
-    than split into letters; an int is a valid float; no bool is an int."""
-    kinds = [a.strip() for a in str(annotation).split("|")]
-    if "None" in kinds and value is None:
-        return
-    for kind in kinds:
-        if kind == "bool" and isinstance(value, bool):
-            return
-        if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
-            return
-        if kind == "float" and isinstance(value, int | float) and not isinstance(value, bool):
-            return
-        if kind == "str" and isinstance(value, str):
-            return
-        if kind == "list[str]" and isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return
-    want = " or ".join(_TYPE_WORDS.get(k, "a list of strings" if k == "list[str]" else k) for k in kinds if k != "None")
-    example = {"list[str]": '["q_proj", "v_proj"]', "bool": "true", "str": '"..."'}.get(kinds[0], "1")
-    raise ConfigError(where, f"must be {want} (got {value!r})", f"write e.g. {where} = {example}")
-
-
-def load(
-    path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), settings: dict[str, Any] | None = None
-) -> RunConfig:
-    """Read a TOML config (or start from defaults), apply typed `settings` (from CLI flags),
-    then `key=value` overrides (--set), which win."""
-    tree: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError("config", f"no such file {str(p)!r}", "pass the path of a TOML config")
-        try:
-            tree = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(str(p), f"invalid TOML ({e})", "fix the syntax") from None
-    for key, value in (settings or {}).items():
-        _set_dotted(tree, key, value)
-    for item in overrides:
-        key, value = parse_override(item)
-        _set_dotted(tree, key, value)
-    return from_dict(tree)
-
-
-def toml_literal(v: Any) -> str:
-    """A value as a TOML literal (what `--set key=VALUE` and config files read)."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(toml_literal(x) for x in v) + "]"
-    return repr(v)
-
-
-def to_toml(cfg: RunConfig) -> str:
-    """Write a RunConfig as TOML that `load` reads back to an equal object."""
-    lit = toml_literal
-    d = cfg.to_dict()
-    lines = [f"{k} = {lit(d.pop(k))}" for k in _TOP_KEYS]
-    for sec, body in d.items():
-        lines += ["", f"[{sec}]"] + [f"{k} = {lit(v)}" for k, v in body.items() if v is not None]
-    return "\n".join(lines) + "\n"
