@@ -342,3 +342,28 @@ def test_skipped_samples_are_left_out_on_every_rank_and_survive_a_restore():
     fresh = data.StatefulSampler(40, seed=1)
     fresh.load_state_dict(old)
     assert fresh.take(1) == data.StatefulSampler(40, seed=1).take(7)[6:] and fresh.skipped == []
+
+
+def test_fault_injection_is_a_callback_only_when_a_test_asks_for_it(tiny_run):
+    """The loop body holds training only: fault injection (run/faults.py) is a callback the loop adds when
+    guard.inject is set, and no engine module imports it at module level."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from trainplan.resolve import resolve
+    from trainplan.run import loop
+
+    def kinds(*extra):
+        cfg = C.load(None, [*tiny_run[1], *extra])
+        trainer = SimpleNamespace(job=SimpleNamespace(cfg=cfg, resolved=resolve(cfg)))
+        made = loop.Trainer.callbacks(trainer, loop.Interrupts(), None, None, 0, sampled=True)
+        return [type(c).__name__ for c in made]
+
+    assert "FaultInjection" not in kinds() and kinds()[0] == "Interruption"
+    assert "FaultInjection" in kinds("guard.inject=['spike@2']")
+    for module in ("trainplan.run.loop", "trainplan.run.checkpoint.manager", "trainplan.run.step"):
+        tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+        top = [ast.unparse(n) for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+        assert not [t for t in top if "faults" in t], f"{module} imports fault injection at module level"

@@ -249,13 +249,6 @@ class GuardConfig:
                     f"KIND is one of {', '.join(INJECT_KINDS)}; e.g. nan-loss@5",
                 )
 
-    def injections(self) -> dict[int, list[str]]:
-        out: dict[int, list[str]] = {}
-        for item in self.inject:
-            kind, _, at = item.partition("@")
-            out.setdefault(int(at), []).append(kind)
-        return out
-
 
 LORA_TARGET_SETS = ("attention", "all-linear")
 

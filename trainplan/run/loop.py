@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import signal
 import threading
 import time
@@ -21,6 +20,7 @@ import torch
 from trainplan import config as C
 from trainplan import features
 from trainplan.errors import TrainplanError
+from trainplan.run import callbacks as cb
 from trainplan.run import contract, dist, evaluate, measure, offload, preflight, record, result, step
 from trainplan.run.checkpoint.manager import CheckpointManager
 from trainplan.run.guard import StepGuard
@@ -59,24 +59,38 @@ def run(
         status = "interrupted" if rec.interrupted else "ok"
         return rec, env
     except RuntimeError as e:
-        lost = dist.lost_peer(e, env)
-        if lost:
-            raise TrainplanError(lost) from None
-        if env.world > 1 and dist.is_peer_timeout(e):
-            raise TrainplanError(
-                f"parallel.timeout_s: rank {env.rank} waited {cfg.parallel.timeout_s} s for a peer rank that did not "
-                f"answer ({str(e).splitlines()[0][:160]}); find the stuck or dead rank, or raise parallel.timeout_s"
-            ) from None
+        failure = _peer_failure(e, env, cfg.parallel.timeout_s)
+        if failure:
+            raise failure from None
         raise
-    finally:  # on every path: event files flushed, the heartbeat stopped, the locks released, a one-rank group left
-        try:
-            trackers.close(status)
-            if own:
-                progress.close(ok=status != "error")
-        finally:
-            for lock in job.locks if job else ():
-                lock.release()
-            dist.leave_alone()
+    finally:
+        _close(trackers, status, progress if own else None, job)
+
+
+def _close(trackers: Trackers, status: str, progress: Progress | None, job: Job | None) -> None:
+    """On every path out of a run: event files flushed, the heartbeat stopped (`progress`: the run's own
+    reporter), the locks released, a one-rank group left."""
+    try:
+        trackers.close(status)
+        if progress is not None:
+            progress.close(ok=status != "error")
+    finally:
+        for lock in job.locks if job else ():
+            lock.release()
+        dist.leave_alone()
+
+
+def _peer_failure(e: RuntimeError, env: dist.DistEnv, timeout_s: float) -> TrainplanError | None:
+    """A collective's error that means a peer rank died or stopped answering, as the user's error."""
+    lost = dist.lost_peer(e, env)
+    if lost:
+        return TrainplanError(lost)
+    if env.world > 1 and dist.is_peer_timeout(e):
+        return TrainplanError(
+            f"parallel.timeout_s: rank {env.rank} waited {timeout_s} s for a peer rank that did not answer "
+            f"({str(e).splitlines()[0][:160]}); find the stuck or dead rank, or raise parallel.timeout_s"
+        )
+    return None
 
 
 def _conclude(trainer: Trainer, cfg: C.RunConfig, env: dist.DistEnv, t_start: float) -> record.RunRecord:
@@ -113,6 +127,7 @@ class Trainer:
         self.state: TrainState | None = None
         self.phase_peaks: dict[str, int] = {}  # evaluate, save: the device's measured peak in each
         self.replays: dict[int, int] = {}  # step -> how many of its runs a rollback undid
+        self.inject: tuple[str, ...] = ()  # the faults a test injects into the next step (run/faults.py)
         self.settings = step.StepSettings(
             prec=job.resolved.precision,
             device_type=job.env.device.type,
@@ -176,57 +191,30 @@ class Trainer:
         self.trackers.evaluation(0, rec.eval_before)
 
     def train(self, interrupts: Interrupts | None = None) -> None:
+        """The loop: a step, then what the callbacks (run/callbacks.py) do around it, until the last step."""
         cfg, rec = self.job.cfg, self.record
-        interrupts = interrupts or Interrupts()
         state = self.state = train_state(self.job, self.model)
         ckpt = CheckpointManager(self.job.resolved, self.env, self.model)
         rec.resume = ckpt.maybe_resume(state, self.model)
         fixed = [state.sampler.take(self.job.resolved.batch.micro_batch_size) for _ in range(cfg.train.overfit_batches)]
         start = state.step
         measure_at = (start + 1 if cfg.train.steps - start >= 2 else start) if cfg.train.measure_memory else -1
-        injections = cfg.guard.injections()
         guard = StepGuard(state.guard, self.env)
         rec.guard = {"events": state.guard.events, "settings": dataclasses.asdict(cfg.guard)}
+        callbacks = self.callbacks(interrupts or Interrupts(), ckpt, guard, start, sampled=not fixed)
         if start == 0:  # a resumed run's eval_before was of the weights before its checkpoint loaded
             self.trackers.evaluation(0, rec.eval_before)
         with self.progress.training(cfg.train.steps, start) as stage:
             t_train = time.perf_counter()
             while state.step < cfg.train.steps:
-                signum = interrupts.agreed(self.env)
-                if signum:  # at a step boundary: keep a checkpoint of where the run got to
-                    if state.step > start:
-                        ckpt.save(state, force=True)
-                    rec.interrupted = {"signal": signal.Signals(signum).name, "code": 128 + signum, "step": state.step}
+                if cb.before_step(callbacks, self, state) == cb.STOP:
                     break
-                if "sigint" in injections.get(state.step + 1, ()):  # fault injection (tests): Ctrl-C now
-                    os.kill(os.getpid(), signal.SIGINT)
-                if "hang" in injections.get(state.step + 1, ()) and self.env.rank == self.env.world - 1:
-                    os.kill(os.getpid(), signal.SIGSTOP)  # fault injection (tests): a hung peer
-                entry = self.step(
-                    state, guard, fixed, metered=state.step == measure_at, inject=attempt(injections, state.step + 1)
-                )
-                event = guard.event
-                if event is not None:
-                    rolled_back = event["action"] == "rollback" and ckpt.rollback(state, event, sampled=not fixed)
-                    self.report(event)
-                    if rolled_back:
-                        event["replaced_steps"] = self.replay_from(state.step)
-                        continue
-                    if event["action"] == "stop":
-                        ckpt.save(state, force=True)
-                        rec.stopped = event
-                        break
-                if cfg.train.eval_every and state.step % cfg.train.eval_every == 0 and state.step < cfg.train.steps:
-                    entry["eval"] = self.evaluate()
-                if ckpt.due(state.step):
-                    ckpt.save(state)
-                self.progress.step(entry)
-                self.trackers.step(entry)
-                if cfg.train.stop_after and state.step >= cfg.train.stop_after:
+                entry = self.step(state, guard, fixed, metered=state.step == measure_at, inject=self.inject)
+                answer = cb.after_step(callbacks, self, state, entry)
+                if answer == cb.STOP:
                     break
             rec.train_seconds = time.perf_counter() - t_train
-            if features.torch_compile.active(self.job.resolved):
-                rec.compile = compile_time(self.job.resolved.spec.num_layers, [s["seconds"] for s in rec.steps])
+            cb.train_end(callbacks, self, state)
             stage.result = f"at step {state.step}/{cfg.train.steps}, {state.tokens_seen:,} tokens seen"
         rec.sampler = state.sampler.state_dict()
         rec.skipped_samples = list(state.sampler.skipped)
@@ -234,6 +222,29 @@ class Trainer:
         out = Path(cfg.train.output_dir)
         with self.progress.stage("save", f"the {cfg.mode} result to {out / result.DIRNAME}"), self._meter("save"):
             rec.result = result.save(self.model, self.job.tokenizer, cfg.mode, out, self.env)
+
+    def callbacks(
+        self, interrupts: Interrupts, ckpt: CheckpointManager, guard: StepGuard, start: int, *, sampled: bool
+    ) -> list:
+        """The loop's callbacks, in the order they are asked: signals, (fault injection, tests only), the
+        guard's verdict, evaluation, checkpoints, reporting, the early stop; the compile time at the end."""
+        cfg = self.job.cfg
+        out: list = [cb.Interruption(interrupts, ckpt, start)]
+        if cfg.guard.inject:  # tests only: the product never imports fault injection
+            from trainplan.run import faults
+
+            out.append(faults.FaultInjection(cfg.guard))
+        out += [
+            cb.GuardVerdicts(guard, ckpt, sampled=sampled),
+            cb.Evaluation(cfg.train.eval_every, cfg.train.steps),
+            cb.Checkpoints(ckpt),
+            cb.Reporting(),
+        ]
+        if cfg.train.stop_after:
+            out.append(cb.StopAfter(cfg.train.stop_after))
+        if features.torch_compile.active(self.job.resolved):
+            out.append(cb.CompileTime(self.job.resolved.spec.num_layers))
+        return out
 
     def step(self, state: TrainState, guard: StepGuard, fixed: list, *, metered: bool, inject) -> dict:
         """One optimizer step over the accumulation window; appends and returns its record entry."""
@@ -309,18 +320,6 @@ class Trainer:
             )
 
 
-def attempt(injections: dict[int, list[str]], step: int) -> tuple[str, ...]:
-    """The faults injected into this run of `step` (tests): one of each kind listed for it, so a
-    kind listed twice (spike@6 twice) fires again when a rollback replays the step."""
-    kinds = injections.get(step, [])
-    now = tuple(dict.fromkeys(kinds))
-    for kind in now:
-        kinds.remove(kind)
-    if not kinds:
-        injections.pop(step, None)
-    return now
-
-
 def generate(model, tokenizer, env: dist.DistEnv, prompt: str = "def fibonacci(n):", tokens: int = 16) -> dict:
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(env.device)
     with torch.inference_mode():
@@ -359,19 +358,3 @@ class Interrupts:
         if env.world == 1:
             return self.received
         return int(env.all_reduce_max(torch.tensor(float(self.received))))
-
-
-def compile_time(layers: int, seconds: list[float]) -> dict:
-    """train.compile in the record: torch.compile traces and compiles in the first step (the held-out
-    evaluation before it compiled the no-grad graph, in its own time); what that step took beyond the
-    median of the others is the training graph's compile time."""
-    import statistics
-
-    rest = seconds[1:]
-    extra = seconds[0] - statistics.median(rest) if rest else None
-    return {
-        "backend": "inductor",
-        "regions": f"each of the {layers} decoder layers",
-        "seconds": extra,
-        "method": "the first step's time beyond the median of the later steps",
-    }

@@ -105,9 +105,17 @@ class CheckpointManager:
             state={**self.expect, **state.state_dict(), "config": self.cfg.to_dict(), "run_id": self.run_id},
             keep_last=self.cfg.checkpoint.keep_last,
             sharded=self.sharded,
-            kill=next((k for k in self.cfg.guard.injections().get(state.step, ()) if k in C.KILL_KINDS), None),
+            kill=self._kill(state.step),
         )
         self.last_step, self.last_sampler = state.step, state.sampler.state_dict()
+
+    def _kill(self, step: int) -> str | None:
+        """Fault injection (tests only: run/faults.py is imported when guard.inject is set)."""
+        if not self.cfg.guard.inject:
+            return None
+        from trainplan.run import faults
+
+        return faults.kill_at(self.cfg.guard, step)
 
     def _load(self, path: Path, state) -> dict:
         saved = ckpt.load(
