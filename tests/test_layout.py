@@ -139,3 +139,10 @@ def test_the_walk_skips_type_only_imports(tmp_path):
         "def later():\n    from trainplan.plan import analytic\n"
     )
     assert imports(f) == {"trainplan.plan.analytic"}
+
+
+def test_the_examples_are_kept_once():
+    """examples/ at the top is a link to the shipped trainplan/examples/, so the two cannot drift."""
+    top = PACKAGE.parent / "examples"
+    assert top.is_symlink() and top.resolve() == (PACKAGE / "examples").resolve()
+    assert sorted(p.name for p in top.iterdir()) == sorted(p.name for p in (PACKAGE / "examples").iterdir())

@@ -14,6 +14,20 @@ def test_installed_torch_is_in_the_tested_range():
     P.check_torch_version()  # raises outside TESTED_TORCH
 
 
+def test_the_torch_range_is_stated_once():
+    """pyproject's `run` extra declares TESTED_TORCH's bounds, and requirements.txt pins a version inside."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    extra = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["run"]
+    (spec,) = [d for d in extra if re.match(r"torch\b", d)]
+    (low, high) = P.TESTED_TORCH
+    assert spec == f"torch>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}"
+    (pin,) = re.findall(r"^torch==(\S+)$", (root / "requirements.txt").read_text(), re.M)
+    P.check_torch_version(pin)  # the pinned version is inside the range
+
+
 @pytest.mark.parametrize("version", ["2.7.1", "3.0.0", "1.13.1+cu117"])
 def test_versions_outside_the_range_fail_loudly(version):
     with pytest.raises(TrainplanError, match=f"torch {re.escape(version)} is outside the range"):

@@ -1,8 +1,10 @@
 """Every use of private PyTorch and transformers internals lives here: fake tensors, the fake
 process group, dispatch-mode tracking, and transformers' mask code.
 
-Tested on torch 2.13 and transformers 5 (tests/test_torch_private.py). An upgrade outside
-TESTED_TORCH fails here, loudly, instead of somewhere deep in a trace.
+The torch range trainplan is tested with is TESTED_TORCH below, the one statement of it: pyproject's
+`run` extra declares the same bounds and requirements.txt pins a version inside them
+(tests/test_torch_private.py holds all three together). An upgrade outside it fails here, loudly,
+instead of somewhere deep in a trace.
 
 Known workarounds, each needed by the tracer:
 - `.to()` / `to_empty()` fail on modules holding fake parameters: build on meta, wrap with PEFT
