@@ -48,11 +48,11 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/trainplan accept
 
 test: $(VENV)/.installed browser launch-extras slurm
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs --durations=15
 
 # No test that starts a process (CLI subprocesses, torchrun, browsers) and none marked slow.
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not slow and not multiprocess"
+	$(PY) -m pytest -q -m "not slow and not multiprocess" --durations=15
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

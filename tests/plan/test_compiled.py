@@ -13,6 +13,8 @@ from trainplan import resolve
 from trainplan.plan import activations as A
 from trainplan.plan import analytic, compiled, derived
 
+pytestmark = pytest.mark.slow  # each capture compiles a model's layers with inductor's passes
+
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from trainplan.errors import TrainplanError
 from trainplan.plan import analytic, traced
 
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # every test traces or runs the real model
 
 TINY_GPT2 = {
     "model_type": "gpt2",

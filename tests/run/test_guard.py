@@ -88,6 +88,7 @@ def test_every_injected_spike_is_detected(tiny_run, tmp_path):
     assert [s["step"] for s in record["steps"] if s.get("skipped")] == steps
 
 
+@pytest.mark.slow
 def test_no_false_positive_in_1000_clean_fine_tuning_steps(tiny_run, small_pretrained, tmp_path):
     """Fine-tuning a ready model, at the default threshold and window. (Training from random
     init is not clean in this sense: its early grad norms spike at 6-17 sigma, and the guard
