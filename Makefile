@@ -12,7 +12,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
-.PHONY: install demo test test-fast lint bench browser launch-extras slurm
+.PHONY: install demo test test-fast lint bench docs-figures browser launch-extras slurm
 install: $(VENV)/.installed
 
 # A test renders accept's HTML report in headless Chromium, from Debian's packages.
@@ -56,6 +56,10 @@ test-fast: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# The README's demo figures and the docs' speed tables, rerun and written back with the date and machine.
+docs-figures: $(VENV)/.installed
+	$(PY) bench/docs_figures.py
 
 bench: $(VENV)/.installed
 	$(PY) bench/plan_speed.py
