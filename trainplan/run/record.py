@@ -114,14 +114,15 @@ def read(out_dir: Path) -> RunRecord:
 
 
 def versions(mode: str = "full") -> dict:
-    import peft
-    import transformers
+    """The versions that decide a run's numbers. Read from the installed packages' metadata: importing
+    PEFT (and bitsandbytes under it) only for its version cost a full fine-tune's start a second."""
+    from importlib.metadata import version
 
     out = {
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
+        "transformers": version("transformers"),
+        "peft": version("peft"),
     }
     if mode == qlora.MODE:  # its base weights are bitsandbytes' NF4 kernels' business
         import bitsandbytes
