@@ -110,6 +110,77 @@ def buffers_to(model: nn.Module, device: torch.device | str) -> nn.Module:
     return model
 
 
+@dataclass(frozen=True)
+class Build:
+    """What a converter reads: the job's model, settings and layout (dims None: one process, no mesh)."""
+
+    spec: ModelSpec
+    cfg: RunConfig
+    prec: Precision
+    dims: ParallelDims | None
+    mesh: Any
+
+
+def _quantized_base(model: nn.Module, b: Build) -> nn.Module:
+    """QLoRA: the base's linear layers become bitsandbytes' 4-bit ones (quantized when materialized)."""
+    if features.qlora.on(b.cfg):
+        dt = dtypes(b.prec)
+        qlora.swap_linears(model, b.spec, compute_dtype=dt.compute, frozen_dtype=dt.frozen)
+    return model
+
+
+def _mode(model: nn.Module, b: Build) -> nn.Module:
+    return apply_mode(model, features.lora.with_modules(b.cfg, b.spec))  # target sets expanded, however cfg came
+
+
+def _fused_loss(model: nn.Module, b: Build) -> nn.Module:
+    tp = b.dims.tp if b.dims is not None else 1
+    if fused_loss_applies(b.spec, enabled=b.cfg.train.fused_loss, mode=b.cfg.mode, tp=tp):
+        loss.install(model, b.cfg.train.loss_chunk_tokens)
+    return model
+
+
+def _checkpointing(model: nn.Module, b: Build) -> nn.Module:
+    ac = b.cfg.memory.activation_checkpointing
+    if ac is not False and b.cfg.mode != "inference":
+        checkpoint_layers(model, b.spec, ac, features.checkpointing.policy(b.cfg))
+    return model
+
+
+def _activation_offload(model: nn.Module, b: Build) -> nn.Module:
+    """The layers not checkpointed pass their saved tensors to the host."""
+    moved = features.activation_offload.kind(b.cfg)
+    if moved:
+        ac = b.cfg.memory.activation_checkpointing
+        offload.install(model, decoder_layers(model)[b.spec.num_layers if ac is True else int(ac) :], moved)
+    return model
+
+
+def _train_mode(model: nn.Module, b: Build) -> nn.Module:
+    return model.train() if b.cfg.mode != "inference" else model
+
+
+def _sharding(model: nn.Module, b: Build) -> nn.Module:
+    """FSDP2 (with optimizer offload's CPUOffloadPolicy where it is on); DDP and ZeRO-1 wrap later (dist.wrap)."""
+    if b.dims is not None and b.dims.shards_params:
+        return apply_fsdp(model, b.dims, b.prec, b.mesh)
+    return model
+
+
+# The features as the engine applies them to the meta model, in this fixed order (torchtitan's model
+# converters): each returns the model, unchanged where its feature is off. torch.compile comes last,
+# after the weights are loaded (run/setup.py `compile_layers`), so the layers it compiles are final.
+CONVERTERS = (
+    ("qlora", _quantized_base),
+    ("mode (lora adapters, what trains)", _mode),
+    ("fused loss", _fused_loss),
+    ("checkpointing", _checkpointing),
+    ("activation offload", _activation_offload),
+    ("train mode", _train_mode),
+    ("sharding (FSDP2, optimizer offload)", _sharding),
+)
+
+
 def build_model(
     spec: ModelSpec,
     cfg: RunConfig,
@@ -119,7 +190,7 @@ def build_model(
     mesh=None,
     allow_cpu: bool = False,
 ) -> nn.Module:
-    """The model on the meta device, with mode, precision, checkpointing and FSDP applied.
+    """The model on the meta device, with every converter of CONVERTERS applied in order.
 
     Materialize it with `materialize` (real tensors) or inside a fake mode (the tracer).
     allow_cpu: build qlora without CUDA, on bitsandbytes' CPU backend (tests only).
@@ -135,22 +206,9 @@ def build_model(
         model = transformers.AutoModelForCausalLM.from_config(
             hf_config(spec, cfg), dtype=dt.param if cfg.mode == "full" else dt.frozen
         )
-    if features.qlora.on(cfg):
-        qlora.swap_linears(model, spec, compute_dtype=dt.compute, frozen_dtype=dt.frozen)
-    model = apply_mode(model, features.lora.with_modules(cfg, spec))  # target sets expanded, however cfg came
-    tp = dims.tp if dims is not None else 1
-    if fused_loss_applies(spec, enabled=cfg.train.fused_loss, mode=cfg.mode, tp=tp):
-        loss.install(model, cfg.train.loss_chunk_tokens)
-    ac = cfg.memory.activation_checkpointing
-    if ac is not False and cfg.mode != "inference":
-        checkpoint_layers(model, spec, ac, features.checkpointing.policy(cfg))
-    moved = features.activation_offload.kind(cfg)
-    if moved:  # the layers not checkpointed
-        offload.install(model, decoder_layers(model)[spec.num_layers if ac is True else int(ac) :], moved)
-    if cfg.mode != "inference":
-        model.train()
-    if dims is not None and dims.shards_params:
-        model = apply_fsdp(model, dims, prec, mesh)
+    build = Build(spec=spec, cfg=cfg, prec=prec, dims=dims, mesh=mesh)
+    for _, convert in CONVERTERS:
+        model = convert(model, build)
     return model
 
 

@@ -55,7 +55,7 @@ def gguf_cache(gguf: Path, cache_dir: str) -> Path:
     import transformers
 
     target = Path(cache_dir).expanduser() / f"{gguf.stem}-{gguf.stat().st_size}"
-    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+    if _complete(target):
         return target
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -76,9 +76,19 @@ def gguf_cache(gguf: Path, cache_dir: str) -> Path:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+    if not _complete(target):  # else another process (a torchrun rank, a test worker) finished first: keep its copy
+        shutil.rmtree(target, ignore_errors=True)  # a partial leftover
+        try:
+            os.replace(tmp, target)
+        except OSError:  # ENOTEMPTY: another process published between the check and the rename
+            if not _complete(target):
+                raise
+    shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _complete(target: Path) -> bool:
+    return (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file()
 
 
 def weights_dir(cfg: RunConfig) -> Path | None:
