@@ -35,6 +35,22 @@ def _processes_are_marked(request, monkeypatch):
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
+@pytest.fixture(scope="session")
+def bench_script():
+    """Load a script of bench/ as a module, by name: some tests check its functions or its cases."""
+    import importlib.util
+    from pathlib import Path
+
+    def load(name: str):
+        path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
 @pytest.fixture
 def make_cfg():
     """A RunConfig from key=value settings, through the same path as the CLI's --set."""

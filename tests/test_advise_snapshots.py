@@ -7,7 +7,6 @@ change a single entry. The cases are bench/advise_speed.py's. Regenerate on purp
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
 import json
 import os
@@ -19,14 +18,6 @@ import pytest
 from trainplan import cli
 
 SNAPSHOTS = Path(__file__).parent / "advise_snapshots.json"
-BENCH = Path(__file__).parents[1] / "bench" / "advise_speed.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("advise_speed", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def advise(argv: list[str]) -> dict:
@@ -49,8 +40,8 @@ def advise(argv: list[str]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def searched() -> dict[str, dict]:
-    return {" ".join(argv): advise(argv) for argv in _bench().argvs()}
+def searched(bench_script) -> dict[str, dict]:
+    return {" ".join(argv): advise(argv) for argv in bench_script("advise_speed").argvs()}
 
 
 def test_ranked_lists_are_byte_identical_to_the_snapshots(searched):
@@ -65,10 +56,10 @@ def test_ranked_lists_are_byte_identical_to_the_snapshots(searched):
         assert doc["sha256"] == want[case]["sha256"], case  # every field of every entry, byte for byte
 
 
-def test_the_docs_speed_table_quotes_todays_counts(searched):
+def test_the_docs_speed_table_quotes_todays_counts(searched, bench_script):
     """docs/advise.md's table (written by bench/advise_speed.py --write-doc): one row per bench case,
     and its rungs, candidates planned and fit are what the search produces now."""
-    bench = _bench()
+    bench = bench_script("advise_speed")
     text = bench.DOC.read_text()
     table = text[text.index(bench.BEGIN) : text.index(bench.END)]
     rows = {}

@@ -1,6 +1,5 @@
 """`trainplan devices` on the CPU, and the prepared GPU validation script's CPU smoke run."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -128,19 +127,12 @@ def test_allreduce_on_two_gloo_processes():
     assert ev["busbw_gbps"] > 0
 
 
-def _gpu_validate():
-    spec = importlib.util.spec_from_file_location("gpu_validate", ROOT / "bench" / "gpu_validate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_gpu_matrix_covers_the_issue_and_fits_one_h200():
+def test_gpu_matrix_covers_the_issue_and_fits_one_h200(bench_script):
     from trainplan import config as C
     from trainplan import resolve
     from trainplan.plan import analytic
 
-    gv = _gpu_validate()
+    gv = bench_script("gpu_validate")
     assert len(gv.MATRIX) >= 16
     _, modes, _, micro, seqs, ac, _ = (set(col) for col in zip(*map(gv.unpack, gv.MATRIX), strict=True))
     assert (

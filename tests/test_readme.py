@@ -41,19 +41,10 @@ def test_from_your_data_to_a_model_you_can_use(tmp_path):
     assert outputs[4].strip() == tuned.split(":", 1)[1].strip()
 
 
-def _docs_figures():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("docs_figures", ROOT / "bench" / "docs_figures.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_the_demo_figures_are_the_scripts_block():
+def test_the_demo_figures_are_the_scripts_block(bench_script):
     """The README's demo figures sit between bench/docs_figures.py's markers, once, in the shape it
     writes (accept's verdict, then one row per run), and rewriting the block leaves the rest alone."""
-    figures = _docs_figures()
+    figures = bench_script("docs_figures")
     text = (ROOT / "README.md").read_text()
     block = text.split(figures.BEGIN, 1)[1].split(figures.END, 1)[0]
     assert "trainplan accept: PASS" in block and block.count("\n| ") >= 3  # header, rule, two runs
