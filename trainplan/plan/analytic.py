@@ -23,6 +23,7 @@ from trainplan.plan import context, lifecycle, offload
 from trainplan.plan import terms as T
 from trainplan.plan.backward import backward_moments
 from trainplan.plan.ledger import DeviceLedger, Ledger, gib
+from trainplan.plan.phase import PhaseBill
 from trainplan.plan.tensors import (
     BNB_8BIT_MIN_NUMEL,
     BNB_BLOCK,
@@ -134,49 +135,51 @@ def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedg
         explain["logits_loss"] = loss.note
     phases = {
         "load": load,
-        "forward": {
-            "weights": weights.nbytes,
-            "weight_copies": copies.nbytes,
-            "adapter": adapter.live,
-            "gradients": grads.live_fwd,
-            "optimizer": opt.states,
-            "activations": acts.fwd,
-            "logits_loss": loss.by_phase["forward"],
-            "buffers": buffers,
-            "comm_buffers": comm.steady,
-        },
-        "backward": {
-            "weights": weights.nbytes,
-            "weight_copies": _backward_copies(ctx, copies.nbytes),
-            "adapter": adapter.live + (adapter.grads if ctx.persistent_grads else 0),
-            "gradients": grads.live_fwd + loss.by_phase["backward_grads"],
-            "optimizer": opt.states,
-            "activations": acts.bwd,
-            "logits_loss": loss.by_phase["backward"],
-            "buffers": buffers,
-            "comm_buffers": comm.steady,
-        },
+        "forward": PhaseBill(
+            weights=weights.nbytes,
+            weight_copies=copies.nbytes,
+            adapter=adapter.live,
+            gradients=grads.live_fwd,
+            optimizer=opt.states,
+            activations=acts.fwd,
+            logits_loss=loss.by_phase["forward"],
+            buffers=buffers,
+            comm_buffers=comm.steady,
+        ),
+        "backward": PhaseBill(
+            weights=weights.nbytes,
+            weight_copies=_backward_copies(ctx, copies.nbytes),
+            adapter=adapter.live + (adapter.grads if ctx.persistent_grads else 0),
+            gradients=grads.live_fwd + loss.by_phase["backward_grads"],
+            optimizer=opt.states,
+            activations=acts.bwd,
+            logits_loss=loss.by_phase["backward"],
+            buffers=buffers,
+            comm_buffers=comm.steady,
+        ),
     }
     if acts.layer_on_device:  # offloaded: the top layer forming, its saved tensors still on the device
-        forming = dict(phases["forward"], logits_loss=0)
-        forming["activations"] += acts.layer_on_device - ctx.in_flight * A.total(acts.head_saved)
-        phases["forward"] = max(phases["forward"], forming, key=lambda c: sum(c.values()))
+        forward = phases["forward"]
+        forming = forward.with_(logits_loss=0).plus(
+            activations=acts.layer_on_device - ctx.in_flight * A.total(acts.head_saved)
+        )
+        phases["forward"] = max(forward, forming, key=lambda c: c.total)
     moments = backward_moments(ctx, phases["backward"], adapter, grads, acts, comm)
     offloaded = offload.how(ctx) == "fsdp2"
     if offloaded:
         head_grad = loss.by_phase["backward_grads"]
         moments = [offload.on_device_under_fsdp2(ctx, m, adapter, head_grad) for m in moments]
-    phases["backward"] = max(moments, key=lambda c: sum(c.values()))
+    phases["backward"] = max(moments, key=lambda c: c.total)
     if not T.in_backward(ctx):  # optim.step_in_backward: the updates ran in backward (plan/backward.py)
-        phases["optimizer"] = {
-            "weights": weights.nbytes,
-            "adapter": adapter.weights + adapter.states + adapter.grads,
-            "gradients": grads.nbytes,
-            "optimizer": opt.states,
-            "optimizer_temp": opt.temp,
-            "activations": 2 * ctx.tokens * 8,  # the batch (ids, labels) is still referenced
-            "buffers": buffers,
-        }
+        phases["optimizer"] = PhaseBill(
+            weights=weights.nbytes,
+            adapter=adapter.weights + adapter.states + adapter.grads,
+            gradients=grads.nbytes,
+            optimizer=opt.states,
+            optimizer_temp=opt.temp,
+            activations=2 * ctx.tokens * 8,  # the batch (ids, labels) is still referenced
+            buffers=buffers,
+        )
     phases["evaluate"], explain["evaluate"] = lifecycle.evaluate(
         ctx, weights, copies, adapter, grads, opt, buffers, comm
     )

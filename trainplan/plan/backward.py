@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from trainplan.plan import activations as A
+from trainplan.plan.phase import PhaseBill
 from trainplan.plan.tensors import _tp_numel
 from trainplan.plan.terms import (
     ActTerm,
@@ -23,10 +24,10 @@ from trainplan.plan.terms import (
 
 
 def backward_moments(
-    ctx: RankContext, start: dict[str, int], adapter: AdapterTerm, grads: GradTerm, acts: ActTerm, comm: CommTerm
-) -> list[dict[str, int]]:
-    """The moments of backward that can be its peak, `start` (the start of backward) first; the
-    plan takes whichever holds the most."""
+    ctx: RankContext, start: PhaseBill, adapter: AdapterTerm, grads: GradTerm, acts: ActTerm, comm: CommTerm
+) -> list[PhaseBill]:
+    """The moments of backward that can be its peak, `start` (the start of backward) first, each a
+    delta from `start` or from another moment; the plan takes whichever holds the most."""
     end = _backward_end(ctx, start, adapter, grads, acts, comm)
     candidates = [start, end]
     embedding = _embedding_backward(ctx, end, grads, acts)
@@ -37,9 +38,7 @@ def backward_moments(
     if ctx.dims.reshard_after_forward:
         # The root unit is resharded after forward and gathered again as backward starts: its
         # all-gather output buffer and the unsharded parameters exist together for a moment.
-        regather = dict(start)
-        regather["weight_copies"] = 2 * ctx.shards.root_numel * ctx.cb
-        candidates.append(regather)
+        candidates.append(start.with_(weight_copies=2 * ctx.shards.root_numel * ctx.cb))
     if ctx.fused and ctx.layers and ctx.ckpt.layers < len(ctx.layers):  # the top layer is not checkpointed
         top_layer = _top_layer_mlp_backward(ctx, start, end, adapter, grads, acts)
         candidates += [top_layer, _final_norm_backward(ctx, start, top_layer, adapter, grads, acts)]
@@ -52,108 +51,110 @@ def backward_moments(
 
 def _step_in_backward(
     ctx: RankContext,
-    candidates: list[dict[str, int]],
-    start: dict[str, int],
-    end: dict[str, int],
+    candidates: list[PhaseBill],
+    start: PhaseBill,
+    end: PhaseBill,
     grads: GradTerm,
     acts: ActTerm,
-) -> list[dict[str, int]]:
+) -> list[PhaseBill]:
     """optim.step_in_backward: no moment holds more than one tensor's gradient (`grads` holds the
     largest's), and each update's temporaries (a single tensor's: linear in its size) exist beside
     its gradient. The largest tensor's update is counted at backward's end: for the embedding, the
     last gradient formed, after every layer has released its saved tensors. An untied head's update
     comes first, while every layer's saved tensors still exist; a tied one's waits for the embedding's."""
     tied_head = grads.head if ctx.spec.tie_word_embeddings else 0
-    for moment in candidates:
-        moment["gradients"] = max(0, min(moment["gradients"], grads.nbytes))
+
+    def one_gradient(moment: PhaseBill) -> PhaseBill:
+        gradients = max(0, min(moment["gradients"], grads.nbytes))
         # a tied head's gradient is no parameter's .grad until the embedding's backward adds to it: it
         # waits in autograd's input buffer, where the gradients' update has not freed it
-        waiting = min(moment["gradients"], tied_head)
-        moment["gradients"] -= waiting
-        moment["activations"] += waiting
+        waiting = min(gradients, tied_head)
+        return moment.with_(gradients=gradients - waiting, activations=moment["activations"] + waiting)
+
+    candidates = [one_gradient(m) for m in candidates]
+    start, end = candidates[0], candidates[1]
     temp = optimizer(ctx).temp
-    last = dict(end)
-    last["gradients"], last["optimizer_temp"] = grads.nbytes, temp
+    last = end.with_(gradients=grads.nbytes, optimizer_temp=temp)
     embedding = ctx.tensors.select("embedding")
     if ctx.full and ctx.first and embedding and _tp_numel(embedding[0], ctx.tp) == ctx.tensors.largest("held", ctx.tp):
-        last["activations"], last["weight_copies"] = ctx.in_flight * acts.step_inputs, 0
+        last = last.with_(activations=ctx.in_flight * acts.step_inputs, weight_copies=0)
     steps = [last]
     if ctx.full and ctx.last and ctx.head is not None and not ctx.spec.tie_word_embeddings and grads.nbytes:
-        head = dict(start)
-        head["gradients"] = _tp_numel(ctx.head, ctx.tp) * ctx.prec.grad_bytes
-        head["optimizer_temp"] = temp * head["gradients"] // grads.nbytes
-        steps.append(head)
+        head_grad = _tp_numel(ctx.head, ctx.tp) * ctx.prec.grad_bytes
+        steps.append(start.with_(gradients=head_grad, optimizer_temp=temp * head_grad // grads.nbytes))
     # first: the embedding's update holds as much as its backward did (its gradient and two
     # temporaries for the head's, the embedding's and their sum), and a tie goes to the first listed
     return [candidates[0], *steps, *candidates[1:]]
 
 
 def _recompute(
-    ctx: RankContext, start: dict[str, int], end: dict[str, int], adapter: AdapterTerm, grads: GradTerm, acts: ActTerm
-) -> dict[str, int]:
+    ctx: RankContext, start: PhaseBill, end: PhaseBill, adapter: AdapterTerm, grads: GradTerm, acts: ActTerm
+) -> PhaseBill:
     """Checkpointing: the top checkpointed layer is recomputed while every checkpointed layer's kept
     input still exists. Layers above it (not checkpointed) have run their backward: their saved
     tensors are released and their gradients formed."""
     top = ctx.layers[ctx.ckpt.layers - 1]
-    moment = dict(end)
     if ctx.ckpt.layers == len(ctx.layers):  # every layer of the stage: only the head's gradient exists yet
-        moment["gradients"] = grads.live_fwd + (grads.head if ctx.full and ctx.last else 0)
+        gradients = grads.live_fwd + (grads.head if ctx.full and ctx.last else 0)
     elif ctx.full and not ctx.persistent_grads:  # all but those of the layers below, `top` included
         unformed = ctx.tensors.numel(("below", top + 1), ctx.tp, ctx.shards.g) * ctx.prec.grad_bytes
-        moment["gradients"] = grads.nbytes - unformed
+        gradients = grads.nbytes - unformed
     else:
-        moment["gradients"] = grads.live_fwd
-    moment["adapter"] = adapter.live + (adapter.grads if ctx.persistent_grads else 0)
-    moment["weight_copies"] = start["weight_copies"]
+        gradients = grads.live_fwd
+    copies = start["weight_copies"]
     if ctx.autocast and ctx.full and not ctx.shards.fsdp:  # the recomputed layer's casts, made again
-        moment["weight_copies"] = casts_kept_by_checkpointing(ctx, top, plain_layers=False)
-    moment["activations"] = (
-        acts.first_layer_bwd + ctx.in_flight * acts.step_inputs + ctx.in_flight * (ctx.ckpt.layers - 1) * acts.kept
+        copies = casts_kept_by_checkpointing(ctx, top, plain_layers=False)
+    return end.with_(
+        gradients=gradients,
+        adapter=adapter.live + (adapter.grads if ctx.persistent_grads else 0),
+        weight_copies=copies,
+        activations=acts.first_layer_bwd
+        + ctx.in_flight * acts.step_inputs
+        + ctx.in_flight * (ctx.ckpt.layers - 1) * acts.kept,
     )
-    return moment
 
 
 def _backward_end(
-    ctx: RankContext, start: dict[str, int], adapter: AdapterTerm, grads: GradTerm, acts: ActTerm, comm: CommTerm
-) -> dict[str, int]:
+    ctx: RankContext, start: PhaseBill, adapter: AdapterTerm, grads: GradTerm, acts: ActTerm, comm: CommTerm
+) -> PhaseBill:
     # The end of backward: the first layer's backward runs while every later gradient exists.
     # autocast's weight copies are released layer by layer as backward consumes them
     end_copies = start["weight_copies"]
     if ctx.autocast and ctx.full and not ctx.shards.fsdp and ctx.layers:
         end_copies = autocast_cast_numel(ctx, "cast_in_layer", ctx.layers[0]) * ctx.cb
-    end = {
-        "weights": start["weights"],
-        "weight_copies": end_copies,
-        "adapter": adapter.live + adapter.grads,
-        "gradients": max(grads.live_fwd, grads.nbytes - grads.first_layer),
-        "optimizer": start["optimizer"],
-        "activations": acts.first_layer_bwd + ctx.in_flight * acts.step_inputs,
-        "buffers": start["buffers"],
-        "comm_buffers": comm.end,
-    }
+    comm_end = comm.end
     if ctx.shards.fsdp and ctx.full and ctx.last and ctx.head is not None:
         # FSDP2 reduce-scatters the root unit's gradients in its final callback, after the whole
         # backward: the head's unsharded gradient (compute dtype) is still there at the end.
-        end["comm_buffers"] += ctx.head.numel * ctx.cb
-    return end
+        comm_end += ctx.head.numel * ctx.cb
+    return PhaseBill(  # the loss's buffers are gone: a moment of its own, not a delta from the start
+        weights=start["weights"],
+        weight_copies=end_copies,
+        adapter=adapter.live + adapter.grads,
+        gradients=max(grads.live_fwd, grads.nbytes - grads.first_layer),
+        optimizer=start["optimizer"],
+        activations=acts.first_layer_bwd + ctx.in_flight * acts.step_inputs,
+        buffers=start["buffers"],
+        comm_buffers=comm_end,
+    )
 
 
-def _fsdp_root_reduce(ctx: RankContext, start: dict[str, int], grads: GradTerm, acts: ActTerm) -> dict[str, int]:
+def _fsdp_root_reduce(ctx: RankContext, start: PhaseBill, grads: GradTerm, acts: ActTerm) -> PhaseBill:
     """FSDP2's final callback reduce-scatters the root unit (embedding, final norm, head) after the
     whole backward: its parameters are resharded, its unsharded gradients (compute dtype) are
     copied into one reduce-scatter input of the whole unit in the reduce dtype, and both exist at
     once (measured on the trace: Llama-3.1-8B, 8 ranks, 6.3 GB). With checkpointing, or wherever
     the vocabulary is large beside a layer, this moment is the backward peak."""
     root_shard = ctx.shards.root_numel * ctx.prec.grad_bytes // ctx.shards.g
-    moment = dict(start)
-    moment["weight_copies"] = 0
-    moment["gradients"] = grads.nbytes - (0 if ctx.persistent_grads else root_shard)
-    moment["activations"] = ctx.in_flight * acts.step_inputs
-    moment["comm_buffers"] = ctx.shards.root_numel * (ctx.cb + ctx.prec.grad_bytes)
-    return moment
+    return start.with_(
+        weight_copies=0,
+        gradients=grads.nbytes - (0 if ctx.persistent_grads else root_shard),
+        activations=ctx.in_flight * acts.step_inputs,
+        comm_buffers=ctx.shards.root_numel * (ctx.cb + ctx.prec.grad_bytes),
+    )
 
 
-def _embedding_backward(ctx: RankContext, end: dict[str, int], grads: GradTerm, acts: ActTerm) -> dict[str, int] | None:
+def _embedding_backward(ctx: RankContext, end: PhaseBill, grads: GradTerm, acts: ActTerm) -> PhaseBill | None:
     """The embedding's backward, the last of all: every other gradient exists, and
     embedding_dense_backward forms a vocab x hidden gradient. Tied to the head, the head's gradient
     waits in autograd's input buffer for it and the two are summed into a third (measured on the
@@ -165,17 +166,17 @@ def _embedding_backward(ctx: RankContext, end: dict[str, int], grads: GradTerm, 
     emb = emb[0]
     formed = _tp_numel(emb, ctx.tp) * ctx.prec.grad_bytes
     tied = ctx.spec.tie_word_embeddings
-    moment = dict(end)
-    moment["weight_copies"] = 0  # every layer's backward has consumed its casts
-    moment["gradients"] = grads.nbytes - (formed if tied and not ctx.persistent_grads else 0)
     in_buffers = (3 * formed if tied else 0) + (formed if ctx.persistent_grads and not tied else 0)
-    moment["activations"] = ctx.in_flight * acts.step_inputs + in_buffers
-    return moment
+    return end.with_(
+        weight_copies=0,  # every layer's backward has consumed its casts
+        gradients=grads.nbytes - (formed if tied and not ctx.persistent_grads else 0),
+        activations=ctx.in_flight * acts.step_inputs + in_buffers,
+    )
 
 
 def _top_layer_mlp_backward(
-    ctx: RankContext, start: dict[str, int], end: dict[str, int], adapter: AdapterTerm, grads: GradTerm, acts: ActTerm
-) -> dict[str, int]:
+    ctx: RankContext, start: PhaseBill, end: PhaseBill, adapter: AdapterTerm, grads: GradTerm, acts: ActTerm
+) -> PhaseBill:
     # Without the logits buffers, the top layer's MLP backward can be the peak: every layer's
     # saved tensors, the MLP's intermediate gradients, and the gradients formed so far (head,
     # final norm, the top layer's down projection).
@@ -183,17 +184,15 @@ def _top_layer_mlp_backward(
     formed = ctx.tensors.numel("top_down", ctx.tp, ctx.shards.g) if ctx.full else 0  # final norm, top down_proj
     formed_bytes = formed * ctx.prec.grad_bytes
     top_down_in = tokens * inter * cb if ctx.full else 0
-    top_layer = dict(end)
-    top_layer["gradients"] = grads.live_fwd if ctx.persistent_grads and ctx.full else grads.head + formed_bytes
-    top_layer["adapter"] = adapter.live + (adapter.grads if ctx.persistent_grads else 0)
-    top_layer["weight_copies"] = start["weight_copies"]
-    top_layer["comm_buffers"] = start["comm_buffers"]  # no unit has finished its backward yet
+    gradients = grads.live_fwd if ctx.persistent_grads and ctx.full else grads.head + formed_bytes
+    comm = start["comm_buffers"]  # no unit has finished its backward yet
     if ctx.shards.fsdp and ctx.full:  # gradients unsharded, in the compute dtype, till their reduce-scatter
-        top_layer["gradients"] = 0
-        top_layer["comm_buffers"] += (ctx.head.numel + ctx.tensors.numel("top_down", 1)) * cb  # unsharded
+        gradients = 0
+        comm += (ctx.head.numel + ctx.tensors.numel("top_down", 1)) * cb  # unsharded
+    copies = start["weight_copies"]
     if ctx.dims.reshard_after_forward and len(ctx.layers) > 1:
-        top_layer["weight_copies"] = start["weight_copies"] + ctx.shards.unit_numel * cb  # the next unit, prefetched
-    top_layer["activations"] = (
+        copies += ctx.shards.unit_numel * cb  # the next unit, prefetched
+    activations = (
         ctx.in_flight * (acts.saved_layers + acts.step_inputs)
         + acts.layer_on_device  # offloaded: the top layer's saved tensors, back on the device
         - top_down_in
@@ -202,37 +201,44 @@ def _top_layer_mlp_backward(
     )
     if ctx.spec.num_experts:  # the MoE block's own widest moment (no down_proj module: `formed` holds norms only)
         released, temps, expert_grad = moe_backward(ctx)
-        top_layer["activations"] = ctx.in_flight * (acts.saved_layers + acts.step_inputs) - released + temps
-        top_layer["activations"] += acts.layer_in + acts.layer_on_device
-        top_layer["gradients"] += expert_grad
-    return top_layer
+        activations = ctx.in_flight * (acts.saved_layers + acts.step_inputs) - released + temps
+        activations += acts.layer_in + acts.layer_on_device
+        gradients += expert_grad
+    return end.with_(
+        gradients=gradients,
+        adapter=adapter.live + (adapter.grads if ctx.persistent_grads else 0),
+        weight_copies=copies,
+        comm_buffers=comm,
+        activations=activations,
+    )
 
 
 def _final_norm_backward(
     ctx: RankContext,
-    start: dict[str, int],
-    top_layer: dict[str, int],
+    start: PhaseBill,
+    top_layer: PhaseBill,
     adapter: AdapterTerm,
     grads: GradTerm,
     acts: ActTerm,
-) -> dict[str, int]:
+) -> PhaseBill:
     # An RMSNorm's backward: the final norm's (under LoRA, the top layer's input norm, after
     # that layer's adapter gradients): every layer's saved tensors, dL/dhidden and the norm's
     # fp32 (tokens x hidden) temporaries, 2 when the residual stream is fp32 and 4 when it is
     # upcast or under LoRA (counted on the trace, transformers 5.24's LlamaRMSNorm).
     temps = 4 if (ctx.residual != 4 or not ctx.full) else 2
-    norm_bwd = dict(top_layer)
-    norm_bwd["gradients"] = grads.live_fwd if ctx.persistent_grads and ctx.full else grads.head
-    norm_bwd["weight_copies"] = start["weight_copies"]
-    norm_bwd["comm_buffers"] = start["comm_buffers"]
+    gradients = grads.live_fwd if ctx.persistent_grads and ctx.full else grads.head
+    comm = start["comm_buffers"]
     if ctx.shards.fsdp and ctx.full:
-        norm_bwd["gradients"] = 0
-        norm_bwd["comm_buffers"] += ctx.head.numel * ctx.cb
-    if not ctx.full and not ctx.persistent_grads:
-        norm_bwd["adapter"] = adapter.live + adapter.grads // len(ctx.layers)
-    norm_bwd["activations"] = (
-        ctx.in_flight * (acts.saved_layers + acts.step_inputs)
+        gradients = 0
+        comm += ctx.head.numel * ctx.cb
+    norm_bwd = top_layer.with_(
+        gradients=gradients,
+        weight_copies=start["weight_copies"],
+        comm_buffers=comm,
+        activations=ctx.in_flight * (acts.saved_layers + acts.step_inputs)
         + A.total(acts.head_saved)
-        + ctx.tokens * ctx.spec.hidden_size * (ctx.residual + temps * 4)
+        + ctx.tokens * ctx.spec.hidden_size * (ctx.residual + temps * 4),
     )
+    if not ctx.full and not ctx.persistent_grads:
+        norm_bwd = norm_bwd.with_(adapter=adapter.live + adapter.grads // len(ctx.layers))
     return norm_bwd

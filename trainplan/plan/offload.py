@@ -5,11 +5,13 @@ optimizer and activations (memory.offload_activations' own terms are in plan/ter
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from trainplan import config as C
 from trainplan import features
 from trainplan.plan import terms as T
 from trainplan.plan.ledger import DeviceLedger
+from trainplan.plan.phase import PhaseBill
 from trainplan.spec.devices import DeviceSpec, host_memory_bytes, parse_size
 
 
@@ -46,22 +48,21 @@ def optimizer_on_host(
     return host_bytes, opt, adapter
 
 
-def on_device_under_fsdp2(ctx: T.RankContext, phase: dict[str, int], adapter: T.AdapterTerm, head_grad: int) -> dict:
+def on_device_under_fsdp2(
+    ctx: T.RankContext, phase: Mapping[str, int], adapter: T.AdapterTerm, head_grad: int
+) -> PhaseBill:
     """One moment's device bill under FSDP2's CPUOffloadPolicy: the parameter shards, their gradients
     (each reduce-scattered shard is copied to the host) and the optimizer live in host memory; the
     device keeps what is gathered or computed, plus, while a unit is gathered, its shard copied over
     for the all-gather. `head_grad`: the loss's gradient term of the moment (the head's, formed on the
     device and reduce-scattered with the root unit after backward): it stays, where the moment has it."""
-    out = dict(phase)
-    for component in ("weights", "optimizer", "optimizer_temp"):
-        if component in out:
-            out[component] = 0
+    out = PhaseBill(phase).without("weights", "optimizer", "optimizer_temp")
     if "gradients" in out:
-        out["gradients"] = min(out["gradients"], head_grad)
+        out = out.with_(gradients=min(out["gradients"], head_grad))
     if "adapter" in out:
-        out["adapter"] = adapter.copy
+        out = out.with_(adapter=adapter.copy)
     if out.get("weight_copies"):
-        out["weight_copies"] += -(-ctx.shards.unit_numel // ctx.shards.w) * ctx.prec.param_bytes
+        out = out.plus(weight_copies=-(-ctx.shards.unit_numel // ctx.shards.w) * ctx.prec.param_bytes)
     return out
 
 

@@ -171,7 +171,7 @@ def _sharding(model: nn.Module, b: Build) -> nn.Module:
 # converters): each returns the model, unchanged where its feature is off. torch.compile comes last,
 # after the weights are loaded (run/setup.py `compile_layers`), so the layers it compiles are final.
 CONVERTERS = (
-    ("qlora", _quantized_base),
+    ("4-bit base", _quantized_base),
     ("mode (lora adapters, what trains)", _mode),
     ("fused loss", _fused_loss),
     ("checkpointing", _checkpointing),

@@ -1,0 +1,53 @@
+"""PhaseBill: one moment's device bytes per component, typed and immutable. A moment is built from
+another as a delta (`start.with_(gradients=..., activations=...)`), and a component's name is
+checked against the ledger's (plan/ledger.py COMPONENTS): a misspelt override fails at once instead
+of adding a row nobody sums. It reads as the mapping the ledger stores, in the order it was built."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from trainplan.plan.ledger import COMPONENTS
+
+_BILLED = frozenset(COMPONENTS) - {"runtime", "allocator_reserve"}  # those two the ledger adds itself
+
+
+class PhaseBill(Mapping[str, int]):
+    """Bytes per component at one moment of a phase; only the components the moment lists."""
+
+    __slots__ = ("_bytes",)
+
+    def __init__(self, components: Mapping[str, int] | None = None, /, **more: int) -> None:
+        values = {**(components or {}), **more}
+        unknown = set(values) - _BILLED
+        if unknown:
+            raise AssertionError(f"not a bill component: {sorted(unknown)}")
+        self._bytes = values
+
+    def __getitem__(self, component: str) -> int:
+        return self._bytes[component]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._bytes)
+
+    def __len__(self) -> int:
+        return len(self._bytes)
+
+    def __repr__(self) -> str:
+        return f"PhaseBill({self._bytes})"
+
+    def with_(self, **changes: int) -> PhaseBill:
+        """This moment with the named components at new values (added where the moment lacked them)."""
+        return PhaseBill(self._bytes, **changes)
+
+    def plus(self, **more: int) -> PhaseBill:
+        """This moment with the named components grown by the given bytes."""
+        return PhaseBill(self._bytes, **{c: self._bytes.get(c, 0) + n for c, n in more.items()})
+
+    def without(self, *components: str) -> PhaseBill:
+        """The moment with the named components at zero where it lists them (what moved elsewhere)."""
+        return PhaseBill(self._bytes, **{c: 0 for c in components if c in self._bytes})
+
+    @property
+    def total(self) -> int:
+        return sum(self._bytes.values())
