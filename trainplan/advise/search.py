@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass, field, replace
 
 from trainplan import config as C
+from trainplan import features
 from trainplan.advise.estimate import StepEstimate, estimate
 from trainplan.errors import ConfigError
-from trainplan.features import lora, optim8bit, qlora
 from trainplan.plan.analytic import fits_resolved, plan_resolved
 from trainplan.plan.ledger import DeviceLedger, Ledger, gib
 from trainplan.resolve import Resolved, resolve
@@ -30,12 +30,12 @@ from trainplan.spec.devices import CATALOG, DeviceSpec, parse_devices
 from trainplan.spec.model import ModelSpec
 from trainplan.spec.parallel import resolve_batch
 
-TRAIN_MODES = ("full", *lora.ADAPTER_MODES)
+TRAIN_MODES = ("full", *features.lora.ADAPTER_MODES)
 # ZeRO-1/2 would shard only a LoRA adapter's tiny states; inference replicas hold no training state
 STRATEGIES = {
     "full": ("ddp", "zero1", "zero2", "zero3"),
     "lora": ("ddp", "zero3"),
-    qlora.MODE: ("ddp", "zero3"),
+    features.qlora.MODE: ("ddp", "zero3"),
     "inference": ("ddp",),
 }
 LORA_RANKS = (64, 16)  # QLoRA's r=64 (Dettmers et al. 2023) and a common smaller default
@@ -50,10 +50,10 @@ NAMES = {
     "zero3": "ZeRO-3/FSDP",
     "full": "full fine-tuning",
     "lora": "LoRA",
-    qlora.MODE: "QLoRA",
+    features.qlora.MODE: "QLoRA",
     "inference": "inference",
     "adamw": "AdamW",
-    optim8bit.NAME: "8-bit AdamW",
+    features.optim8bit.NAME: "8-bit AdamW",
 }
 
 
@@ -196,14 +196,14 @@ def rungs(spec: ModelSpec, devices: list[DeviceSpec], modes: tuple[str, ...], gl
     found, _ = layouts(spec, devices, global_batch)
     out = []
     for mode_i, mode in enumerate(modes):
-        if mode == qlora.MODE and not gpu:
+        if mode == features.qlora.MODE and not gpu:
             continue  # bitsandbytes' 4-bit kernels need CUDA
-        adapters = mode in lora.ADAPTER_MODES
+        adapters = mode in features.lora.ADAPTER_MODES
         knobs = itertools.product(
             enumerate(lora_targets(spec) if adapters else [("", ())]),
             enumerate(LORA_RANKS if adapters else (0,)),
             enumerate(precisions(devices, mode)[: 1 if adapters else None]),  # a LoRA base is 16-bit anyway
-            enumerate(("adamw", optim8bit.NAME) if (mode == "full" and gpu) else ("adamw",)),
+            enumerate(("adamw", features.optim8bit.NAME) if (mode == "full" and gpu) else ("adamw",)),
             found,
             (False,) if mode == "inference" else (False, True),
         )
@@ -395,7 +395,7 @@ def peak_fraction(ledger: Ledger) -> float:
 def _step_backs(rung: Rung, devices: list[DeviceSpec]) -> list[tuple[str, str, Rung]]:
     """(what this rung adds, the rung without it named, that rung): one knob stepped back one level."""
     out, world = [], len(devices)
-    if rung.mode == qlora.MODE:
+    if rung.mode == features.qlora.MODE:
         out.append(("QLoRA", "LoRA", replace(rung, mode="lora")))
     strategies = STRATEGIES[rung.mode]
     if rung.dp > 1 and strategies.index(rung.strategy) > 0:
@@ -403,8 +403,8 @@ def _step_backs(rung: Rung, devices: list[DeviceSpec]) -> list[tuple[str, str, R
         out.append((NAMES[rung.strategy], NAMES[prev], replace(rung, strategy=prev)))
     if rung.ac:
         out.append(("checkpointing", "no checkpointing", replace(rung, ac=False)))
-    if optim8bit.is_8bit(rung.optimizer):
-        out.append((NAMES[optim8bit.NAME], NAMES["adamw"], replace(rung, optimizer="adamw")))
+    if features.optim8bit.is_8bit(rung.optimizer):
+        out.append((NAMES[features.optim8bit.NAME], NAMES["adamw"], replace(rung, optimizer="adamw")))
     precs = precisions(devices, rung.mode)
     if rung.precision in precs and precs.index(rung.precision) > 0:
         prev = precs[precs.index(rung.precision) - 1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 
+from trainplan import features
 from trainplan.run.progress import duration
 from trainplan.spec.devices import format_gib
 from trainplan.text import md
@@ -85,7 +86,7 @@ def run_facts(result: dict) -> list[tuple[str, list[tuple[str, str]]]]:
         ("seed", str(rec["seed"])),
     ]
     lora = cfg.get("lora")
-    if cfg["mode"] in lora.ADAPTER_MODES and lora:
+    if cfg["mode"] in features.lora.ADAPTER_MODES and lora:
         targets = ", ".join(lora["target_modules"])
         expanded = ", ".join((settings.get("lora") or {}).get("target_modules") or [])
         if expanded and expanded != targets:  # a named set, as resolve() expanded it for this model
