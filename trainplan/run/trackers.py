@@ -13,6 +13,7 @@ import importlib.util
 from pathlib import Path
 
 from trainplan import config as C
+from trainplan.errors import ConfigError
 
 # the package each logger needs, as `pip install` names it
 PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
@@ -29,7 +30,7 @@ def require(report_to: list[str]) -> None:
         except (ImportError, ValueError):  # a module entry of None in sys.modules
             missing = True
         if missing:
-            raise C.ConfigError(
+            raise ConfigError(
                 "train.report_to",
                 f"{name!r} needs the {package} package, which is not installed",
                 f"pip install {package}, or remove {name!r} from train.report_to",
