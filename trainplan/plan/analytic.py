@@ -18,7 +18,6 @@ from typing import NamedTuple
 
 from trainplan import config as C
 from trainplan import features
-from trainplan.plan import activations as A
 from trainplan.plan import context, lifecycle, offload
 from trainplan.plan import terms as T
 from trainplan.plan.backward import backward_moments
@@ -158,12 +157,8 @@ def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedg
             comm_buffers=comm.steady,
         ),
     }
-    if acts.layer_on_device:  # offloaded: the top layer forming, its saved tensors still on the device
-        forward = phases["forward"]
-        forming = forward.with_(logits_loss=0).plus(
-            activations=acts.layer_on_device - ctx.in_flight * A.total(acts.head_saved)
-        )
-        phases["forward"] = max(forward, forming, key=lambda c: c.total)
+    if acts.layer_on_device:
+        phases["forward"] = offload.forward_under_activation_offload(ctx, phases["forward"], acts)
     moments = backward_moments(ctx, phases["backward"], adapter, grads, acts, comm)
     offloaded = offload.how(ctx) == "fsdp2"
     if offloaded:

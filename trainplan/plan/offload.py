@@ -1,6 +1,7 @@
 """The offloads' plan: what parallel.offload_optimizer moves off the device (FSDP2's CPUOffloadPolicy as
-the engine runs it, or DeepSpeed's ZeRO-Offload, planned), and the host's bill of every rank's offloaded
-optimizer and activations (memory.offload_activations' own terms are in plan/terms.py `activations`)."""
+the engine runs it, or DeepSpeed's ZeRO-Offload, planned), forward's moment under
+memory.offload_activations (its saved-tensor terms are plan/terms.py `activations`), and the host's
+bill of every rank's offloaded optimizer and activations."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Mapping
 
 from trainplan import config as C
 from trainplan import features
+from trainplan.plan import activations as A
 from trainplan.plan import terms as T
 from trainplan.plan.ledger import DeviceLedger
 from trainplan.plan.phase import PhaseBill
@@ -64,6 +66,16 @@ def on_device_under_fsdp2(
     if out.get("weight_copies"):
         out = out.plus(weight_copies=-(-ctx.shards.unit_numel // ctx.shards.w) * ctx.prec.param_bytes)
     return out
+
+
+def forward_under_activation_offload(ctx: T.RankContext, forward: PhaseBill, acts: T.ActTerm) -> PhaseBill:
+    """memory.offload_activations on a GPU: forward's bill at the end of forward (the layers' saved
+    tensors on the host, the loss's buffers on the device), or, if it holds more, the moment the top
+    layer forms, its saved tensors still on the device and no loss buffer yet."""
+    forming = forward.with_(logits_loss=0).plus(
+        activations=acts.layer_on_device - ctx.in_flight * A.total(acts.head_saved)
+    )
+    return max(forward, forming, key=lambda c: c.total)
 
 
 def host_ledger(cfg: C.RunConfig, ledgers: list[DeviceLedger], *, fsdp2: bool) -> DeviceLedger:
