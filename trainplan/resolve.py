@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from trainplan import config as C
 from trainplan import features
 from trainplan.errors import ConfigError, NotRunnable
-from trainplan.features import lora
 from trainplan.spec.devices import DeviceSpec, parse_devices, parse_size
 from trainplan.spec.model import ModelSpec, fused_loss_applies, load_model_spec
 from trainplan.spec.parallel import ParallelDims, ResolvedBatch, build_parallel_dims, resolve_batch
@@ -89,8 +88,8 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
             f"{cfg.batch.seq_len} exceeds the model's context of {context} ({spec.name})",
             f"use batch.seq_len <= {context}, or set model.extend_context = true for RoPE-scaled use",
         )
-    if lora.on(cfg):
-        cfg = lora.with_modules(cfg, spec)
+    if features.lora.on(cfg):
+        cfg = features.lora.with_modules(cfg, spec)
     if cfg.hardware.memory_budget is not None:
         parse_size(cfg.hardware.memory_budget, "hardware.memory_budget")  # refuses a size without a unit
     spec.attention(cfg.memory.attention)  # refuses sdpa where transformers has none

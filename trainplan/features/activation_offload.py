@@ -13,11 +13,6 @@ if TYPE_CHECKING:
     from trainplan.spec.parallel import ParallelDims
 
 
-def setting(cfg: RunConfig) -> bool | str:
-    """As configured: False, True (pageable) or "pinned"."""
-    return cfg.memory.offload_activations
-
-
 def on(cfg: RunConfig) -> bool:
     return bool(cfg.memory.offload_activations)
 

@@ -128,27 +128,11 @@ def compile_time(layers: int, seconds: list[float]) -> dict:
     }
 
 
-def before_step(callbacks: list, trainer: Trainer, state: TrainState) -> str | None:
-    """Ask each callback before the step; the first answer ends the asking."""
+def ask(callbacks: list, hook: str, *args) -> str | None:
+    """Call `hook` on each callback that has it, in order; the first answer (STOP, REPLAY) ends the asking."""
     for cb in callbacks:
-        hook = getattr(cb, "before_step", None)
-        answer = hook(trainer, state) if hook else None
+        method = getattr(cb, hook, None)
+        answer = method(*args) if method else None
         if answer:
             return answer
     return None
-
-
-def after_step(callbacks: list, trainer: Trainer, state: TrainState, entry: dict) -> str | None:
-    for cb in callbacks:
-        hook = getattr(cb, "after_step", None)
-        answer = hook(trainer, state, entry) if hook else None
-        if answer:
-            return answer
-    return None
-
-
-def train_end(callbacks: list, trainer: Trainer, state: TrainState) -> None:
-    for cb in callbacks:
-        hook = getattr(cb, "train_end", None)
-        if hook:
-            hook(trainer, state)

@@ -207,14 +207,14 @@ class Trainer:
         with self.progress.training(cfg.train.steps, start) as stage:
             t_train = time.perf_counter()
             while state.step < cfg.train.steps:
-                if cb.before_step(callbacks, self, state) == cb.STOP:
+                if cb.ask(callbacks, "before_step", self, state) == cb.STOP:
                     break
                 entry = self.step(state, guard, fixed, metered=state.step == measure_at, inject=self.inject)
-                answer = cb.after_step(callbacks, self, state, entry)
+                answer = cb.ask(callbacks, "after_step", self, state, entry)
                 if answer == cb.STOP:
                     break
             rec.train_seconds = time.perf_counter() - t_train
-            cb.train_end(callbacks, self, state)
+            cb.ask(callbacks, "train_end", self, state)
             stage.result = f"at step {state.step}/{cfg.train.steps}, {state.tokens_seen:,} tokens seen"
         rec.sampler = state.sampler.state_dict()
         rec.skipped_samples = list(state.sampler.skipped)
