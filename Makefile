@@ -48,9 +48,10 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/trainplan accept
 
 # Two workers, a test file each at a time (its module fixtures built once, tests that share a port or a
-# directory kept apart), one torch thread per process: on a 2-core machine, 1.5x the serial suite's speed.
+# directory kept apart), the longest files first (tests/conftest.py LONGEST_FIRST), one torch thread per
+# process: on a 2-core machine, 1.5x the serial suite's speed.
 test: $(VENV)/.installed browser launch-extras slurm
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -n 2 --dist loadfile --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # No test that starts a process (CLI subprocesses, torchrun, browsers) and none marked slow.
 test-fast: $(VENV)/.installed
