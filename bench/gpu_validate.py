@@ -239,7 +239,9 @@ def _measure(cfg, r, device, steps: int, *, mesh) -> dict:
     import torch
 
     from trainplan import features
-    from trainplan.run import build, measure, offload, step
+    from trainplan.features.activation_offload import engine as offload
+    from trainplan.features.torch_compile import engine as torch_compile
+    from trainplan.run import build, measure, step
 
     torch.manual_seed(0)
     if mesh is not None:
@@ -248,7 +250,7 @@ def _measure(cfg, r, device, steps: int, *, mesh) -> dict:
     else:
         model = build.materialize(build.build_model(r.spec, cfg, r.precision), device)
     if features.torch_compile.active(r):
-        build.compile_layers(model)
+        torch_compile.compile_layers(model)
     b = r.batch
     ids = torch.randint(0, r.spec.vocab_size, (b.micro_batch_size, b.seq_len), device=device)
     micro = [{"input_ids": ids, "labels": ids.clone()}]
@@ -309,13 +311,13 @@ def hf_trainer_row(cfg, r, device, steps: int, *, liger: bool = False) -> dict:
     import torch
     import transformers
 
-    from trainplan.run import build
+    from trainplan.run import build, converter
 
     prec, b = r.precision, r.batch
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the GPU, as from_config inside a device context does
         model = transformers.AutoModelForCausalLM.from_config(
-            build.hf_config(r.spec, cfg), dtype=build.dtypes(prec).frozen
+            build.hf_config(r.spec, cfg), dtype=converter.dtypes(prec).frozen
         )
     model.config.use_cache = False
     lora = r.cfg.lora  # target sets ("attention") expanded to module names by resolve

@@ -31,7 +31,8 @@ def main() -> None:
 
     from trainplan import config as C
     from trainplan import resolve
-    from trainplan.run import build, data, step, weights
+    from trainplan.features.torch_compile import engine as torch_compile
+    from trainplan.run import data, step, weights
 
     transformers.logging.set_verbosity_error()
     sets = ["mode=lora", "precision=fp32", "batch.seq_len=256", "batch.micro_batch_size=4", "hardware.gpus=cpu"]
@@ -46,7 +47,7 @@ def main() -> None:
         torch.manual_seed(0)
         model = weights.load_model(cfg, r.spec, r.precision, torch.device("cpu"))
         if compiled:
-            build.compile_layers(model)
+            torch_compile.compile_layers(model)
         opt = step.build_optimizer(model, "adamw", "auto", 1e-3, 0.0, "cpu")
         settings = step.StepSettings(prec=r.precision, device_type="cpu")
         return lambda b: step.train_step(model, step.Update(opt), [b], settings)

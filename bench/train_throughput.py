@@ -43,7 +43,8 @@ def main() -> None:
 
     from trainplan import config as C
     from trainplan import resolve
-    from trainplan.run import build, data, step, weights
+    from trainplan.features.torch_compile import engine as torch_compile
+    from trainplan.run import data, step, weights
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -133,7 +134,7 @@ def main() -> None:
             torch.manual_seed(0)
             model = weights.load_model(vcfg, r.spec, r.precision, torch.device("cpu"))
             if vcfg.train.compile is True:
-                build.compile_layers(model)
+                torch_compile.compile_layers(model)
             runs[name] = (model, step.build_optimizer(model, "adamw", "auto", 1e-3, 0.0, "cpu"), [])
 
         def ours_steps(i: int) -> None:

@@ -69,8 +69,15 @@ def graph() -> dict[str, set[str]]:
     return {module_name(p): imports(p) - {module_name(p)} for p in PACKAGE.rglob("*.py")}
 
 
+# A feature's folder (trainplan/features/<name>/) holds its rules (__init__.py, the foundation), its plan
+# terms (plan.py, the planner's room) and what it does in the engine (engine.py, the engine's room).
+FEATURE_SIDES = {"plan": "plan", "engine": "run"}
+
+
 def room(module: str) -> str:
     parts = module.split(".")
+    if len(parts) == 4 and parts[1] == "features" and parts[3] in FEATURE_SIDES:
+        return FEATURE_SIDES[parts[3]]
     return parts[1] if len(parts) > 1 else "trainplan"
 
 

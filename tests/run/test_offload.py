@@ -83,9 +83,10 @@ def test_offload_hooks_copy_and_restore_bitwise(tiny_run, sets):
     import torch
 
     from trainplan import resolve
+    from trainplan.features.activation_offload import engine as offload
     from trainplan.plan import context
     from trainplan.plan import terms as T
-    from trainplan.run import build, offload, step
+    from trainplan.run import build, step
 
     root, _ = tiny_run
 

@@ -8,8 +8,9 @@ import pytest
 
 from trainplan import config as C
 from trainplan.errors import TrainplanError
+from trainplan.features.qlora import engine as qlora
 from trainplan.plan.analytic import NF4_BYTES, NF4_CONSTANTS_BYTES, plan
-from trainplan.run import build, contract, qlora, record, weights
+from trainplan.run import build, contract, record, weights
 from trainplan.spec.model import load_model_spec
 from trainplan.spec.parallel import build_parallel_dims
 from trainplan.spec.precision import PRECISIONS

@@ -309,7 +309,7 @@ def layer_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bool =
 
 
 def selective_kept(spec: ModelSpec, ctx: ActContext) -> list[SavedTensor]:
-    """What a layer under selective checkpointing keeps beside its input (run/build.py SAVED_OPS):
+    """What a layer under selective checkpointing keeps beside its input (features/checkpointing/engine.py SAVED_OPS):
     the output of every matmul (each linear, LoRA's A and B) and of attention, in the compute dtype;
     the norms, activations, RoPE and adds are recomputed in backward. SDPA keeps its output and
     logsumexp; eager attention its two matmuls' outputs (the scores, b x heads x s^2, and the

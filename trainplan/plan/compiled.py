@@ -108,7 +108,8 @@ def _capture(r, batch: int, seq: int) -> tuple[int, int]:
     import torch
 
     from trainplan import _torch_private as P
-    from trainplan.run import build, step
+    from trainplan.features.torch_compile import engine as torch_compile
+    from trainplan.run import build, converter, step
 
     rr = derived.shallow_job(r, batch, seq, 2)
     model = build.build_model(rr.spec, rr.cfg, rr.precision)
@@ -116,12 +117,12 @@ def _capture(r, batch: int, seq: int) -> tuple[int, int]:
     # the residual stream 16-bit): the layers run so here
     fsdp_precision = r.dims.shards_params and rr.precision.autocast
     if fsdp_precision:
-        model.to(build.dtypes(rr.precision).compute)  # on the meta device, before the fake tensors exist
+        model.to(converter.dtypes(rr.precision).compute)  # on the meta device, before the fake tensors exist
     with P.fake_mode():
         build.allocate(model, "cpu")
         ids = torch.randint(0, r.spec.vocab_size, (batch, seq))
     model.train()
-    layers = build.decoder_layers(model)
+    layers = converter.decoder_layers(model)
     backend = P.partitioned_backend()
     graphs = []
 
@@ -132,7 +133,7 @@ def _capture(r, batch: int, seq: int) -> tuple[int, int]:
     # this process's earlier compiles of the layer's code would count toward its recompile limit,
     # past which torch.compile runs the layer eagerly: the capture starts from none
     P.forget_compiled()
-    build.compile_layers(model, backend=counted, dynamic=False)
+    torch_compile.compile_layers(model, backend=counted, dynamic=False)
     skip = {id(p.untyped_storage()) for p in model.parameters()}
     saved: list[dict[int, int]] = [{} for _ in layers]
     current: list[int | None] = [None]

@@ -18,7 +18,7 @@ from trainplan.spec.devices import DeviceSpec, host_memory_bytes, parse_size
 
 
 def how(ctx: T.RankContext) -> str:
-    """How parallel.offload_optimizer runs on the rank (features/optimizer_offload.py `how`)."""
+    """How parallel.offload_optimizer runs on the rank (features/optimizer_offload `how`)."""
     return features.optimizer_offload.how(ctx.r, cpu=ctx.cpu)
 
 

@@ -26,9 +26,10 @@ from torch import nn
 from trainplan import config as C
 from trainplan.errors import ConfigError
 from trainplan.features import lora
+from trainplan.features.lora.engine import apply_mode
 from trainplan.files import atomic_dir
 from trainplan.resolve import resolve
-from trainplan.run import build, checkpoint, generate, weights
+from trainplan.run import checkpoint, converter, generate, weights
 from trainplan.run.checkpoint.manager import model_fingerprint
 from trainplan.run.result import DIRNAME
 from trainplan.spec.precision import PRECISIONS
@@ -117,7 +118,7 @@ def rebuild(src: Source, device: torch.device, field: str) -> tuple[nn.Module, o
     inference = dataclasses.replace(cfg, mode="inference", precision="fp32")
     model = weights.load_model(inference, spec, PRECISIONS["fp32"], device)
     # the run's trainable tensors, by the names the run gave them: an adapter on the base, or every weight
-    model = build.apply_mode(model, dataclasses.replace(cfg, mode="lora" if src.adapter else "full"))
+    model = apply_mode(model, dataclasses.replace(cfg, mode="lora" if src.adapter else "full"))
     _load_trainable(src.path, model, state.get("format", "safetensors"), field)
     return model.requires_grad_(False).eval(), weights.load_tokenizer(cfg, spec)
 
@@ -228,7 +229,7 @@ def export(src: Source, out: Path, *, merge: bool, base: str | None, force: bool
                 base_dir = weights.weights_dir(base_cfg)
                 model = model.merge_and_unload().to(stored_dtype(base_dir))
             elif not src.adapter:  # a full run's checkpoint: stored as the run's result would be
-                model = model.to(build.dtypes(PRECISIONS[src.config["precision"]]).param)
+                model = model.to(converter.dtypes(PRECISIONS[src.config["precision"]]).param)
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
         files = sorted(p.name for p in tmp.iterdir())

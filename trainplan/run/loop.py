@@ -20,8 +20,9 @@ import torch
 from trainplan import config as C
 from trainplan import features
 from trainplan.errors import TrainplanError
+from trainplan.features.activation_offload import engine as offload
 from trainplan.run import callbacks as cb
-from trainplan.run import contract, dist, evaluate, measure, offload, preflight, record, result, step
+from trainplan.run import contract, dist, evaluate, measure, preflight, record, result, step
 from trainplan.run.checkpoint.manager import CheckpointManager
 from trainplan.run.guard import StepGuard
 from trainplan.run.progress import Progress

@@ -13,9 +13,10 @@ import torch
 from trainplan import config as C
 from trainplan import features
 from trainplan.errors import ConfigError
+from trainplan.features.torch_compile import engine as torch_compile
 from trainplan.files import DirLock, require_writable
 from trainplan.resolve import Resolved, require_runnable, resolve
-from trainplan.run import build, data, dist, guard, measure, preflight, step, weights
+from trainplan.run import data, dist, guard, measure, preflight, step, weights
 from trainplan.run.checkpoint.manager import checkpoint_root, refuse_foreign
 from trainplan.run.progress import Progress
 from trainplan.run.record import device_label
@@ -150,7 +151,7 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, l
     with progress.stage("load weights", cfg.model.source), meter or contextlib.nullcontext():
         model = weights.load_model(cfg, r.spec, r.precision, env.device, dims=r.dims if mesh else None, mesh=mesh)
     if features.torch_compile.active(r):  # compiled lazily, by the first step (the record's compile.seconds)
-        build.compile_layers(model)
+        torch_compile.compile_layers(model)
     return Job(
         cfg=cfg,
         resolved=r,

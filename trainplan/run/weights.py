@@ -15,7 +15,8 @@ from torch import nn
 from trainplan import features
 from trainplan.config import RunConfig
 from trainplan.errors import ConfigError, TrainplanError
-from trainplan.run import build, qlora
+from trainplan.features.qlora import engine as qlora
+from trainplan.run import build
 from trainplan.spec import hub
 from trainplan.spec.model import ModelSpec, default_gguf_path, model_dir
 from trainplan.spec.precision import Precision

@@ -1,5 +1,5 @@
 """memory.offload_activations: the saved tensors of the decoder layers that are not checkpointed go
-to host memory in forward and come back for backward (run/offload.py's hooks), pageable or pinned."""
+to host memory in forward and come back for backward (its engine.py's hooks), pageable or pinned."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """QLoRA (Dettmers et al. 2023): the frozen base's linear layers in bitsandbytes NF4, LoRA adapters on
-top. The planner covers it anywhere; the engine builds it on CUDA, unsharded (run/qlora.py)."""
+top. The planner covers it anywhere; the engine builds it on CUDA, unsharded (its engine.py)."""
 
 from __future__ import annotations
 

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from trainplan import _torch_private as P
+from trainplan.features import activation_offload
+from trainplan.run.converter import Build, decoder_layers
 
 _ATTR = "_trainplan_activation_offload"
 
@@ -144,3 +146,12 @@ def of(model: nn.Module) -> ActivationOffload | None:
         if found is not None:
             return found
     return None
+
+
+def apply(model: nn.Module, b: Build) -> nn.Module:
+    """The engine's converter: the layers not checkpointed pass their saved tensors to the host."""
+    moved = activation_offload.kind(b.cfg)
+    if moved:
+        ac = b.cfg.memory.activation_checkpointing
+        install(model, decoder_layers(model)[b.spec.num_layers if ac is True else int(ac) :], moved)
+    return model

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from trainplan.errors import TrainplanError
+from trainplan.features import qlora
+from trainplan.run.converter import Build, dtypes
 from trainplan.spec.model import ModelSpec
 
 TESTED_BITSANDBYTES = "0.50.2"
@@ -107,4 +109,13 @@ def quantize(model: nn.Module, device: torch.device | str) -> nn.Module:
             quant_storage=torch.uint8,
             module=linear,
         ).to(device)  # Params4bit quantizes here, on the target device
+    return model
+
+
+def apply(model: nn.Module, b: Build) -> nn.Module:
+    """The engine's converter: the base's linear layers become bitsandbytes' 4-bit ones (quantized when
+    materialized)."""
+    if qlora.on(b.cfg):
+        dt = dtypes(b.prec)
+        swap_linears(model, b.spec, compute_dtype=dt.compute, frozen_dtype=dt.frozen)
     return model

@@ -1,5 +1,5 @@
 """LoRA (Hu et al. 2021): low-rank adapters on the frozen base's linear layers; QLoRA's adapters too
-(features/qlora.py adds the 4-bit base under them)."""
+(features/qlora/ adds the 4-bit base under them)."""
 
 from __future__ import annotations
 
