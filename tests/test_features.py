@@ -124,3 +124,29 @@ def test_every_feature_module_is_registered_and_answers_the_four_questions():
     for feature in features.FEATURES:
         for name in ("refuse", "runnable", "untraceable"):
             assert callable(getattr(feature, name)), f"{feature.__name__} has no {name}()"
+
+
+def test_each_features_plan_and_engine_sides_are_applied_in_their_one_place():
+    """A feature's plan.py `adjust` is in the planner's ADJUSTMENTS and its engine.py `apply` in the
+    engine's CONVERTERS, and those hold nothing else: a side written but never applied fails here."""
+    import importlib
+
+    from trainplan.plan import analytic
+    from trainplan.run import build
+
+    registries = {
+        ("plan", "adjust"): [f.__module__ for f in analytic.ADJUSTMENTS],
+        ("engine", "apply"): [
+            f.__module__ for _, f in build.CONVERTERS if f.__module__.startswith("trainplan.features")
+        ],
+    }
+    for (side, hook), registered in registries.items():
+        sides = sorted(p.parent.name for p in (PACKAGE / "features").glob(f"*/{side}.py"))
+        assert sides, side
+        with_hook = {
+            f"trainplan.features.{name}.{side}"
+            for name in sides
+            if hasattr(importlib.import_module(f"trainplan.features.{name}.{side}"), hook)
+        }
+        assert sorted(with_hook) == sorted(registered), (side, hook, registered)
+        assert len(set(registered)) == len(registered)  # each applied once

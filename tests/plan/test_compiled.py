@@ -1,4 +1,4 @@
-"""The plan under train.compile (plan/compiled.py): what inductor's partitioner saves per layer, fitted
+"""The plan under train.compile (features/torch_compile/plan.py): what inductor's partitioner saves per layer, fitted
 and cached. The run-level check (the compiled step's measured peak within 5 % of this plan) is in
 tests/run/test_compile.py."""
 
@@ -10,8 +10,9 @@ import pytest
 
 from trainplan import config as C
 from trainplan import resolve
+from trainplan.features.torch_compile import plan as compiled
 from trainplan.plan import activations as A
-from trainplan.plan import analytic, compiled, derived
+from trainplan.plan import analytic, derived
 
 pytestmark = pytest.mark.slow  # each capture compiles a model's layers with inductor's passes
 

@@ -56,7 +56,7 @@ def test_a_compiled_lora_run_trains_as_the_eager_one_and_its_memory_is_the_plans
     """The compiled run's losses within float noise of the eager run's, the held-out loss within 1 %, the
     compile time in the record, and the compiled step's measured peak per phase (the profiler's
     allocator events) within 5 % of the plan's, which models what the compiled layers save
-    (plan/compiled.py): the eager step's plan misses the compiled step by more than 5 %."""
+    (features/torch_compile/plan.py): the eager step's plan misses the compiled step by more than 5 %."""
     import dataclasses
     import json
 

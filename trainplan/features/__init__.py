@@ -1,15 +1,22 @@
-"""The memory options, one module each: every rule of an option lives in its module, and the
-registry below applies them in one fixed order (torchtitan's model converters, each one pass).
+"""The memory options, one folder each (trainplan/features/<name>/): every rule of an option lives there,
+and each side is applied in one fixed order (torchtitan's model converters, each one pass).
 
-A feature module exposes:
-  on(cfg) / active(r)        whether the option is set / in force for a resolved job
-  refuse(r)                  the one-line refusals of a job that cannot be planned (ConfigError)
-  runnable(cfg, dims, cuda)  what `trainplan train` cannot run (NotRunnable), asked by train and advise
-  untraceable(r)             why the fake-tensor trace cannot cover the job, or None
-and, where the option changes the bill, its terms (plan/) read its settings through the module's own
-functions, never through the config field itself (tests/test_features.py holds that line).
+  __init__.py  its rules, read by resolve and everyone above (this package imports only these):
+    on(cfg) / active(r)        whether the option is set / in force for a resolved job
+    refuse(r)                  the one-line refusals of a job that cannot be planned (ConfigError)
+    runnable(cfg, dims, cuda)  what `trainplan train` cannot run (NotRunnable), asked by train and advise
+    untraceable(r)             why the fake-tensor trace cannot cover the job, or None
+  plan.py      where it reshapes a rank's step: adjust(ctx, bill, terms) -> bill, applied in
+               plan/analytic.py ADJUSTMENTS order (the planner's room: no torch)
+  engine.py    what it does to the model: apply(model, build) -> model, applied in run/build.py
+               CONVERTERS order (the engine's room)
+A feature that changes one component's size only (LoRA's adapters, QLoRA's NF4 weights, 8-bit states)
+is read by that component's term (plan/terms.py) through the feature's own functions, never through the
+config field itself (tests/test_features.py holds that line, and that every plan.py and engine.py hook
+is applied).
 
-The foundation: imports config, errors and spec only, and no torch, so `trainplan plan` stays instant.
+The rules are the foundation: they import config, errors and spec only, and no torch, so `trainplan
+plan` stays instant.
 """
 
 from __future__ import annotations

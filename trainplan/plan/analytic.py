@@ -18,11 +18,15 @@ from typing import NamedTuple
 
 from trainplan import config as C
 from trainplan import features
+from trainplan.features.activation_offload import plan as activation_offload
+from trainplan.features.checkpointing import plan as checkpointing
+from trainplan.features.optimizer_offload import plan as optimizer_offload
+from trainplan.features.step_in_backward import plan as step_in_backward
 from trainplan.plan import context, lifecycle, offload
 from trainplan.plan import terms as T
 from trainplan.plan.backward import backward_moments
 from trainplan.plan.ledger import DeviceLedger, Ledger, gib
-from trainplan.plan.phase import PhaseBill
+from trainplan.plan.phase import PhaseBill, StepBill
 from trainplan.plan.tensors import (
     BNB_8BIT_MIN_NUMEL,
     BNB_BLOCK,
@@ -95,7 +99,7 @@ def _fixed_terms(ctx: T.RankContext) -> _Fixed:
         if term.note:
             explain[key] = term.note
     explain["optimizer_temp"] = opt.temp_note
-    host_bytes, opt, adapter = offload.optimizer_on_host(ctx, grads, opt, adapter, explain)
+    host_bytes, opt, adapter = optimizer_offload.on_host(ctx, grads, opt, adapter, explain)
     buffers = T.buffers(ctx)
     load, load_note = lifecycle.load(ctx, weights, adapter, buffers)
     save, save_note = lifecycle.save(ctx, weights, adapter, grads, opt, buffers)
@@ -103,6 +107,15 @@ def _fixed_terms(ctx: T.RankContext) -> _Fixed:
     return _Fixed(
         weights, copies, adapter, grads, opt, buffers, runtime, load, save, host_bytes, explain, load_note, save_note
     )
+
+
+# The features that reshape a training rank's step, in the order they apply (features/<name>/plan.py):
+# each returns the step as it was where its feature is off. Checkpointing adds backward's recompute
+# moment; the step in backward bills every moment one gradient at a time and drops the optimizer phase;
+# activation offload may move forward's peak; FSDP2's optimizer offload takes what lives on the host out
+# of every phase and moment, so it comes last. (Features that change one component's size, LoRA's
+# adapters, QLoRA's NF4 weights, 8-bit states, a compiled layer's saved bytes, are read by its term.)
+ADJUSTMENTS = (checkpointing.adjust, step_in_backward.adjust, activation_offload.adjust, optimizer_offload.adjust)
 
 
 def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedger:
@@ -132,57 +145,49 @@ def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedg
     loss = T.logits_loss(ctx, grads)
     if loss.note:
         explain["logits_loss"] = loss.note
-    phases = {
-        "load": load,
-        "forward": PhaseBill(
-            weights=weights.nbytes,
-            weight_copies=copies.nbytes,
-            adapter=adapter.live,
-            gradients=grads.live_fwd,
-            optimizer=opt.states,
-            activations=acts.fwd,
-            logits_loss=loss.by_phase["forward"],
-            buffers=buffers,
-            comm_buffers=comm.steady,
-        ),
-        "backward": PhaseBill(
-            weights=weights.nbytes,
-            weight_copies=_backward_copies(ctx, copies.nbytes),
-            adapter=adapter.live + (adapter.grads if ctx.persistent_grads else 0),
-            gradients=grads.live_fwd + loss.by_phase["backward_grads"],
-            optimizer=opt.states,
-            activations=acts.bwd,
-            logits_loss=loss.by_phase["backward"],
-            buffers=buffers,
-            comm_buffers=comm.steady,
-        ),
-    }
-    if acts.layer_on_device:
-        phases["forward"] = offload.forward_under_activation_offload(ctx, phases["forward"], acts)
-    moments = backward_moments(ctx, phases["backward"], adapter, grads, acts, comm)
-    offloaded = offload.how(ctx) == "fsdp2"
-    if offloaded:
-        head_grad = loss.by_phase["backward_grads"]
-        moments = [offload.on_device_under_fsdp2(ctx, m, adapter, head_grad) for m in moments]
-    phases["backward"] = max(moments, key=lambda c: c.total)
-    if not T.in_backward(ctx):  # optim.step_in_backward: the updates ran in backward (plan/backward.py)
-        phases["optimizer"] = PhaseBill(
-            weights=weights.nbytes,
-            adapter=adapter.weights + adapter.states + adapter.grads,
-            gradients=grads.nbytes,
-            optimizer=opt.states,
-            optimizer_temp=opt.temp,
-            activations=2 * ctx.tokens * 8,  # the batch (ids, labels) is still referenced
-            buffers=buffers,
-        )
-    phases["evaluate"], explain["evaluate"] = lifecycle.evaluate(
-        ctx, weights, copies, adapter, grads, opt, buffers, comm
+    forward = PhaseBill(
+        weights=weights.nbytes,
+        weight_copies=copies.nbytes,
+        adapter=adapter.live,
+        gradients=grads.live_fwd,
+        optimizer=opt.states,
+        activations=acts.fwd,
+        logits_loss=loss.by_phase["forward"],
+        buffers=buffers,
+        comm_buffers=comm.steady,
     )
-    phases["save"], explain["save"] = fixed.save, fixed.save_note
-    if offloaded:
-        for name in ("load", "forward", "optimizer", "evaluate", "save"):
-            if name in phases:
-                phases[name] = offload.on_device_under_fsdp2(ctx, phases[name], adapter, 0)
+    backward_start = PhaseBill(
+        weights=weights.nbytes,
+        weight_copies=_backward_copies(ctx, copies.nbytes),
+        adapter=adapter.live + (adapter.grads if ctx.persistent_grads else 0),
+        gradients=grads.live_fwd + loss.by_phase["backward_grads"],
+        optimizer=opt.states,
+        activations=acts.bwd,
+        logits_loss=loss.by_phase["backward"],
+        buffers=buffers,
+        comm_buffers=comm.steady,
+    )
+    optimizer = PhaseBill(
+        weights=weights.nbytes,
+        adapter=adapter.weights + adapter.states + adapter.grads,
+        gradients=grads.nbytes,
+        optimizer=opt.states,
+        optimizer_temp=opt.temp,
+        activations=2 * ctx.tokens * 8,  # the batch (ids, labels) is still referenced
+        buffers=buffers,
+    )
+    evaluate, explain["evaluate"] = lifecycle.evaluate(ctx, weights, copies, adapter, grads, opt, buffers, comm)
+    explain["save"] = fixed.save_note
+    bill = StepBill(
+        phases={"load": load, "forward": forward, "optimizer": optimizer, "evaluate": evaluate, "save": fixed.save},
+        moments=tuple(backward_moments(ctx, backward_start, adapter, grads, acts, comm)),
+    )
+    terms = T.RankTerms(weights, copies, adapter, grads, opt, acts, loss, comm)
+    for adjust in ADJUSTMENTS:
+        bill = adjust(ctx, bill, terms)
+    backward = {"backward": max(bill.moments, key=lambda c: c.total)}
+    phases = {name: bill.phases[name] for name in ("load", "forward")} | backward
+    phases |= {name: bill.phases[name] for name in ("optimizer", "evaluate", "save") if name in bill.phases}
     return _device_ledger(
         r,
         rank,

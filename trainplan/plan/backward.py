@@ -14,10 +14,7 @@ from trainplan.plan.terms import (
     GradTerm,
     RankContext,
     autocast_cast_numel,
-    casts_kept_by_checkpointing,
-    in_backward,
     moe_backward,
-    optimizer,
 )
 
 # ---- the backward peak -----------------------------------------------------------------------
@@ -42,76 +39,7 @@ def backward_moments(
     if ctx.fused and ctx.layers and ctx.ckpt.layers < len(ctx.layers):  # the top layer is not checkpointed
         top_layer = _top_layer_mlp_backward(ctx, start, end, adapter, grads, acts)
         candidates += [top_layer, _final_norm_backward(ctx, start, top_layer, adapter, grads, acts)]
-    if ctx.ckpt.layers:
-        candidates.append(_recompute(ctx, start, end, adapter, grads, acts))
-    if in_backward(ctx):
-        candidates = _step_in_backward(ctx, candidates, start, end, grads, acts)
-    return candidates
-
-
-def _step_in_backward(
-    ctx: RankContext,
-    candidates: list[PhaseBill],
-    start: PhaseBill,
-    end: PhaseBill,
-    grads: GradTerm,
-    acts: ActTerm,
-) -> list[PhaseBill]:
-    """optim.step_in_backward: no moment holds more than one tensor's gradient (`grads` holds the
-    largest's), and each update's temporaries (a single tensor's: linear in its size) exist beside
-    its gradient. The largest tensor's update is counted at backward's end: for the embedding, the
-    last gradient formed, after every layer has released its saved tensors. An untied head's update
-    comes first, while every layer's saved tensors still exist; a tied one's waits for the embedding's."""
-    tied_head = grads.head if ctx.spec.tie_word_embeddings else 0
-
-    def one_gradient(moment: PhaseBill) -> PhaseBill:
-        gradients = max(0, min(moment["gradients"], grads.nbytes))
-        # a tied head's gradient is no parameter's .grad until the embedding's backward adds to it: it
-        # waits in autograd's input buffer, where the gradients' update has not freed it
-        waiting = min(gradients, tied_head)
-        return moment.with_(gradients=gradients - waiting, activations=moment["activations"] + waiting)
-
-    candidates = [one_gradient(m) for m in candidates]
-    start, end = candidates[0], candidates[1]
-    temp = optimizer(ctx).temp
-    last = end.with_(gradients=grads.nbytes, optimizer_temp=temp)
-    embedding = ctx.tensors.select("embedding")
-    if ctx.full and ctx.first and embedding and _tp_numel(embedding[0], ctx.tp) == ctx.tensors.largest("held", ctx.tp):
-        last = last.with_(activations=ctx.in_flight * acts.step_inputs, weight_copies=0)
-    steps = [last]
-    if ctx.full and ctx.last and ctx.head is not None and not ctx.spec.tie_word_embeddings and grads.nbytes:
-        head_grad = _tp_numel(ctx.head, ctx.tp) * ctx.prec.grad_bytes
-        steps.append(start.with_(gradients=head_grad, optimizer_temp=temp * head_grad // grads.nbytes))
-    # first: the embedding's update holds as much as its backward did (its gradient and two
-    # temporaries for the head's, the embedding's and their sum), and a tie goes to the first listed
-    return [candidates[0], *steps, *candidates[1:]]
-
-
-def _recompute(
-    ctx: RankContext, start: PhaseBill, end: PhaseBill, adapter: AdapterTerm, grads: GradTerm, acts: ActTerm
-) -> PhaseBill:
-    """Checkpointing: the top checkpointed layer is recomputed while every checkpointed layer's kept
-    input still exists. Layers above it (not checkpointed) have run their backward: their saved
-    tensors are released and their gradients formed."""
-    top = ctx.layers[ctx.ckpt.layers - 1]
-    if ctx.ckpt.layers == len(ctx.layers):  # every layer of the stage: only the head's gradient exists yet
-        gradients = grads.live_fwd + (grads.head if ctx.full and ctx.last else 0)
-    elif ctx.full and not ctx.persistent_grads:  # all but those of the layers below, `top` included
-        unformed = ctx.tensors.numel(("below", top + 1), ctx.tp, ctx.shards.g) * ctx.prec.grad_bytes
-        gradients = grads.nbytes - unformed
-    else:
-        gradients = grads.live_fwd
-    copies = start["weight_copies"]
-    if ctx.autocast and ctx.full and not ctx.shards.fsdp:  # the recomputed layer's casts, made again
-        copies = casts_kept_by_checkpointing(ctx, top, plain_layers=False)
-    return end.with_(
-        gradients=gradients,
-        adapter=adapter.live + (adapter.grads if ctx.persistent_grads else 0),
-        weight_copies=copies,
-        activations=acts.first_layer_bwd
-        + ctx.in_flight * acts.step_inputs
-        + ctx.in_flight * (ctx.ckpt.layers - 1) * acts.kept,
-    )
+    return candidates  # checkpointing's recompute: features/checkpointing/plan.py
 
 
 def _backward_end(

@@ -266,7 +266,7 @@ def _saved(r: Resolved, act: A.ActContext) -> dict[bool, tuple]:
     """One layer's saved tensors, their bytes and (name, bytes) pairs, with its input requiring a
     gradient (True) or not (False), what selective checkpointing keeps ("selective") and the largest
     saved tensor ("largest"): once per model and activation context. Under train.compile a layer
-    saves what inductor's partitioner chose (plan/compiled.py)."""
+    saves what inductor's partitioner chose (features/torch_compile/plan.py)."""
     spec = r.spec
     # tensor and pipeline parallelism keep the eager terms (the capture runs one whole layer): an upper
     # bound for a compiled step, which saves less (docs/memory-model.md)
@@ -288,7 +288,7 @@ def _saved(r: Resolved, act: A.ActContext) -> dict[bool, tuple]:
 
 
 def _compiled_layer(r: Resolved, act: A.ActContext, input_requires_grad: bool) -> A.SavedTensor:
-    from trainplan.plan import compiled
+    from trainplan.features.torch_compile import plan as compiled
 
     fits = compiled.fits(r)
     fit = fits.rest if input_requires_grad else fits.first

@@ -1,11 +1,13 @@
 """PhaseBill: one moment's device bytes per component, typed and immutable. A moment is built from
 another as a delta (`start.with_(gradients=..., activations=...)`), and a component's name is
 checked against the ledger's (plan/ledger.py COMPONENTS): a misspelt override fails at once instead
-of adding a row nobody sums. It reads as the mapping the ledger stores, in the order it was built."""
+of adding a row nobody sums. It reads as the mapping the ledger stores, in the order it was built.
+StepBill: one rank's step, every phase and backward's candidate moments, as the features adjust it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 from trainplan.plan.ledger import COMPONENTS
 
@@ -51,3 +53,19 @@ class PhaseBill(Mapping[str, int]):
     @property
     def total(self) -> int:
         return sum(self._bytes.values())
+
+
+@dataclass(frozen=True)
+class StepBill:
+    """One rank's training step as the features adjust it (features/<name>/plan.py `adjust`): each
+    phase's bill but backward's, and the moments of backward that can be its peak, its start first (the
+    plan takes whichever holds the most)."""
+
+    phases: Mapping[str, Mapping[str, int]]
+    moments: tuple[PhaseBill, ...]
+
+    def with_phase(self, name: str, bill: Mapping[str, int]) -> StepBill:
+        return StepBill(phases={**self.phases, name: bill}, moments=self.moments)
+
+    def without_phase(self, name: str) -> StepBill:
+        return StepBill(phases={k: v for k, v in self.phases.items() if k != name}, moments=self.moments)

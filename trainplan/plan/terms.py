@@ -493,3 +493,16 @@ def logits_loss(ctx: RankContext, grads: GradTerm) -> LossTerm:
     else:
         logits, note = {"forward": 0, "backward": 0, "backward_grads": 0}, None
     return LossTerm(logits, note)
+
+
+class RankTerms(NamedTuple):
+    """One training rank's terms, as the features' `adjust` read them (features/<name>/plan.py)."""
+
+    weights: Term
+    copies: Term
+    adapter: AdapterTerm
+    grads: GradTerm
+    opt: OptTerm
+    acts: ActTerm
+    loss: LossTerm
+    comm: CommTerm

@@ -1,5 +1,5 @@
 """optim.step_in_backward: each parameter is updated by its own optimizer as soon as its gradient is
-formed, and the gradient freed (run/setup.py registers the hooks; plan/backward.py bills one gradient
+formed, and the gradient freed (run/setup.py registers the hooks; its plan.py bills one gradient
 at a time). Whatever needs every gradient of the step before the first update cannot run with it."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """train.compile: torch.compile on each decoder layer (regional compilation, run/build.py); the plan
-asks inductor's partitioner what a compiled layer saves (plan/compiled.py)."""
+asks inductor's partitioner what a compiled layer saves (features/torch_compile/plan.py)."""
 
 from __future__ import annotations
 

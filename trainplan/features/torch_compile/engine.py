@@ -15,7 +15,7 @@ def compile_layers(model: nn.Module, *, backend: Any = "inductor", dynamic: bool
     and torchtune do): every layer runs the same code, so one compiled graph serves them all and compile
     time stays bounded by one layer's; the layers' hooks (FSDP2's, offload's) and checkpointing's wrapper
     stay outside the compiled region. Returns the number of layers compiled. (`backend`, `dynamic`: the
-    planner's compile of fake layers, plan/compiled.py.)"""
+    planner's compile of fake layers, features/torch_compile/plan.py.)"""
     layers = decoder_layers(model)
     for layer in layers:
         layer.forward = torch.compile(layer.forward, backend=backend, dynamic=dynamic)

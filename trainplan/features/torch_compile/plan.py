@@ -8,7 +8,7 @@ a compiled layer saves 26 % less than the eager one. The plan asks that partitio
 guessing it: the real transformers model, with 2 layers, is built as the engine builds it, its layers
 compiled with inductor's decompositions, joint-graph passes and partitioner (the graphs then run
 uncompiled, on fake tensors: no code is generated, nothing is allocated), and the tensors each
-layer's forward saves are summed. As in derived.py, four (micro-batch, seq) points fit
+layer's forward saves are summed. As in plan/derived.py, four (micro-batch, seq) points fit
 
     saved(b, s) = a * b * s + c * b * s^2 + e * s + d
 

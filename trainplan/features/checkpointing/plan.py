@@ -1,0 +1,43 @@
+"""Activation checkpointing in the plan: a checkpointed layer keeps its input (plan/terms.py `activations`
+bills it), and backward gains a moment of its own, the top checkpointed layer's recompute."""
+
+from __future__ import annotations
+
+from trainplan.plan.context import RankContext
+from trainplan.plan.phase import PhaseBill, StepBill
+from trainplan.plan.terms import ActTerm, AdapterTerm, GradTerm, RankTerms, casts_kept_by_checkpointing
+
+
+def adjust(ctx: RankContext, bill: StepBill, terms: RankTerms) -> StepBill:
+    if not ctx.ckpt.layers:
+        return bill
+    start, end = bill.moments[0], bill.moments[1]
+    recompute = _recompute(ctx, start, end, terms.adapter, terms.grads, terms.acts)
+    return StepBill(phases=bill.phases, moments=(*bill.moments, recompute))
+
+
+def _recompute(
+    ctx: RankContext, start: PhaseBill, end: PhaseBill, adapter: AdapterTerm, grads: GradTerm, acts: ActTerm
+) -> PhaseBill:
+    """Checkpointing: the top checkpointed layer is recomputed while every checkpointed layer's kept
+    input still exists. Layers above it (not checkpointed) have run their backward: their saved
+    tensors are released and their gradients formed."""
+    top = ctx.layers[ctx.ckpt.layers - 1]
+    if ctx.ckpt.layers == len(ctx.layers):  # every layer of the stage: only the head's gradient exists yet
+        gradients = grads.live_fwd + (grads.head if ctx.full and ctx.last else 0)
+    elif ctx.full and not ctx.persistent_grads:  # all but those of the layers below, `top` included
+        unformed = ctx.tensors.numel(("below", top + 1), ctx.tp, ctx.shards.g) * ctx.prec.grad_bytes
+        gradients = grads.nbytes - unformed
+    else:
+        gradients = grads.live_fwd
+    copies = start["weight_copies"]
+    if ctx.autocast and ctx.full and not ctx.shards.fsdp:  # the recomputed layer's casts, made again
+        copies = casts_kept_by_checkpointing(ctx, top, plain_layers=False)
+    return end.with_(
+        gradients=gradients,
+        adapter=adapter.live + (adapter.grads if ctx.persistent_grads else 0),
+        weight_copies=copies,
+        activations=acts.first_layer_bwd
+        + ctx.in_flight * acts.step_inputs
+        + ctx.in_flight * (ctx.ckpt.layers - 1) * acts.kept,
+    )
