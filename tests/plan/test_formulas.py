@@ -2,7 +2,7 @@
 
 from trainplan.plan import activations as A
 from trainplan.plan.analytic import kv_cache_bytes, model_state_bytes_per_param, zero_model_state_bytes
-from trainplan.spec.model import ModelSpec
+from trainplan.spec.model import AttentionShape, MlpShape, ModelSpec
 from trainplan.spec.precision import PRECISIONS
 
 GiB = 2**30
@@ -36,15 +36,10 @@ def _paper_layer() -> ModelSpec:
         vocab_size=100,
         max_position_embeddings=128,
         tie_word_embeddings=True,
-        mlp="dense",
-        hidden_act="gelu",
+        attn=AttentionShape(qkv_bias=True, out_bias=True, fused_qkv=True, dropout=0.1),
+        mlp=MlpShape(kind="dense", act="gelu", bias=True),
         norm="layernorm",
-        qkv_bias=True,
-        out_bias=True,
-        mlp_bias=True,
-        fused_qkv=True,
         learned_positions=128,
-        attn_dropout=0.1,
         resid_dropout=0.1,
     )
 

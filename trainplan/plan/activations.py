@@ -142,7 +142,7 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
     if input_requires_grad:
         out += _norm(norm_name, spec, ctx, rb)
     norm_out_bytes = rb
-    if spec.fused_qkv:
+    if spec.attn.fused_qkv:
         qkv = [(spec.layer_linears[0].module, h)]
     else:
         qkv = [("q_proj", h), ("k_proj", h), ("v_proj", h)]
@@ -154,7 +154,7 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
     qk_bytes = cb if ctx.autocast or spec.model_type == "gpt2" else rb
     # A fused qkv_proj (Phi-3) is split by slicing: V stays a view of the whole projection output,
     # so saving V keeps all of it (q and k are rotated into new tensors).
-    if spec.fused_qkv and spec.model_type != "gpt2":
+    if spec.attn.fused_qkv and spec.model_type != "gpt2":
         value_saved = SavedTensor(name="qkv_proj.output (kept by the value view)", nbytes=t * (q_dim + 2 * kv_dim) * cb)
     else:
         value_saved = SavedTensor(name="sdpa.value", nbytes=t * kv_dim * cb)
@@ -172,7 +172,7 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
             out.append(SavedTensor(name="attn.key (repeated to all heads)", nbytes=t * kv_rep * qk_bytes))
         if scores_rg:
             out.append(SavedTensor(name="attn.value (repeated to all heads)", nbytes=t * kv_rep * cb))
-        if spec.attn_softcap and scores_rg:  # Gemma-2: cap * tanh(scores / cap) saves the tanh
+        if spec.attn.softcap and scores_rg:  # Gemma-2: cap * tanh(scores / cap) saves the tanh
             out.append(SavedTensor(name="attn.softcap tanh output", nbytes=scores * cb, note="s^2 term"))
         # Llama-style eager attention takes softmax in fp32 and casts back (both saved); GPT-2's
         # softmax runs in the scores' dtype, which autocast promotes to fp32.
@@ -181,7 +181,7 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
             out.append(SavedTensor(name="attn.softmax output", nbytes=scores * softmax_bytes, note="s^2 term"))
         if softmax_bytes != cb and v_rg:
             out.append(SavedTensor(name="attn.probs (cast to compute dtype)", nbytes=scores * cb, note="s^2 term"))
-        if spec.attn_dropout > 0 and ctx.dropout_active:
+        if spec.attn.dropout > 0 and ctx.dropout_active:
             out += [
                 SavedTensor(name="attn.dropout mask", nbytes=scores * _mask_bytes(ctx, cb), note="s^2 term"),
                 SavedTensor(name="attn.dropout output", nbytes=scores * cb, note="s^2 term"),
@@ -210,7 +210,7 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
     # is a view of the saved output. Eager attention's matmul output needs a contiguous copy, and
     # so does Phi-3's (its value is a strided view of the fused qkv output, and SDPA's output
     # follows that layout).
-    if ctx.attention == "eager" or (spec.fused_qkv and spec.model_type != "gpt2"):
+    if ctx.attention == "eager" or (spec.attn.fused_qkv and spec.model_type != "gpt2"):
         out += _linear_inputs(spec, ctx, [(o_name, q_dim)], "attn.output (contiguous copy)", cb)
     else:  # only LoRA's own saved tensors are new
         shared = replace(ctx, trainable_linears=ctx.trainable_linears - {o_name})
@@ -232,7 +232,7 @@ def mlp_saved(spec: ModelSpec, ctx: ActContext) -> list[SavedTensor]:
     else:
         norm_name = "post_attention_layernorm"
     out += _norm(norm_name, spec, ctx, rb)
-    if spec.num_experts:
+    if spec.mlp.num_experts:
         out += _experts_saved(spec, ctx)
     else:
         out += _dense_mlp_saved(spec, ctx, norm_name)
@@ -247,13 +247,13 @@ def _dense_mlp_saved(spec: ModelSpec, ctx: ActContext, norm_name: str) -> list[S
     t, h, cb, rb = ctx.tokens, spec.hidden_size, ctx.compute_bytes, ctx.residual_bytes
     width = t * spec.intermediate_size // ctx.tp
     out: list[SavedTensor] = []
-    if spec.mlp == "dense":
+    if spec.mlp.kind == "dense":
         out += _linear_inputs(spec, ctx, [("c_fc", h)], f"{norm_name}.output", rb)
-        act_saves = 4 if spec.hidden_act in ("gelu_new", "gelu_fast") else 1  # python tanh-GELU saves 4 tensors
-        out.append(SavedTensor(name=f"act ({spec.hidden_act}) saved tensors", nbytes=act_saves * width * cb))
+        act_saves = 4 if spec.mlp.act in ("gelu_new", "gelu_fast") else 1  # python tanh-GELU saves 4 tensors
+        out.append(SavedTensor(name=f"act ({spec.mlp.act}) saved tensors", nbytes=act_saves * width * cb))
         down_name, down_in = "c_proj", "act output"
     else:
-        if spec.fused_gate_up:
+        if spec.mlp.fused_gate_up:
             out += _linear_inputs(spec, ctx, [("gate_up_proj", h)], f"{norm_name}.output", rb)
         else:
             out += _linear_inputs(spec, ctx, [("gate_proj", h), ("up_proj", h)], f"{norm_name}.output", rb)
@@ -273,7 +273,7 @@ def _experts_saved(spec: ModelSpec, ctx: ActContext) -> list[SavedTensor]:
     save their input only when the expert weights train; the down projection's output is saved
     for the routing weights' gradient either way."""
     t, h, rb, cb = ctx.tokens, spec.hidden_size, ctx.residual_bytes, ctx.compute_bytes
-    k, n_experts, xb = spec.experts_per_token or 1, spec.num_experts, ctx.expert_bytes
+    k, n_experts, xb = spec.mlp.experts_per_token or 1, spec.mlp.num_experts, ctx.expert_bytes
     rows, inter = k * t, spec.intermediate_size // ctx.tp
     trains = ctx.norms_trainable  # full fine-tuning: router and experts train
     out: list[SavedTensor] = []

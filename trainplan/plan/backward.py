@@ -127,7 +127,7 @@ def _top_layer_mlp_backward(
         + 3 * tokens * inter * cb
         + acts.layer_in
     )
-    if ctx.spec.num_experts:  # the MoE block's own widest moment (no down_proj module: `formed` holds norms only)
+    if ctx.spec.mlp.num_experts:  # the MoE block's own widest moment (no down_proj module: `formed` holds norms only)
         released, temps, expert_grad = moe_backward(ctx)
         activations = ctx.in_flight * (acts.saved_layers + acts.step_inputs) - released + temps
         activations += acts.layer_in + acts.layer_on_device

@@ -112,7 +112,7 @@ class RankContext:
     @property
     def inter(self) -> int:
         """MLP intermediate width on this tensor-parallel rank, times the experts a token visits."""
-        return self.spec.intermediate_size // self.tp * (self.spec.experts_per_token or 1)
+        return self.spec.intermediate_size // self.tp * (self.spec.mlp.experts_per_token or 1)
 
     def dtype(self, nbytes: int) -> str:
         return {4: "fp32", 2: self.prec.compute_dtype}[nbytes]

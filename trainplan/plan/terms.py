@@ -436,7 +436,7 @@ def moe_backward(ctx: RankContext) -> tuple[int, int, int]:
     gate_up grouped matmul's (the gradient of its output and of the gathered input, beside the
     gate_up weight's gradient being formed)."""
     spec, xb, gb = ctx.spec, ctx.act.expert_bytes, ctx.prec.grad_bytes
-    rows, h, n = (spec.experts_per_token or 1) * ctx.tokens, spec.hidden_size, spec.num_experts
+    rows, h, n = (spec.mlp.experts_per_token or 1) * ctx.tokens, spec.hidden_size, spec.mlp.num_experts
     inter = spec.intermediate_size // ctx.tp
     trains = ctx.full
     # the routing-weight multiply: the fp32 gradient scattered back, and its two fp32 products (the
@@ -456,7 +456,7 @@ def _first_layer_backward(ctx: RankContext, layer_in: int) -> int:
     # gradients of the MLP's intermediates (d product, d act, d up, d gate), in the compute dtype.
     tokens, inter, cb = ctx.tokens, ctx.inter, ctx.cb
     saved = _layer_saved_bytes(ctx, input_requires_grad=ctx.full)
-    if ctx.spec.num_experts:  # the MoE block's widest moment
+    if ctx.spec.mlp.num_experts:  # the MoE block's widest moment
         released, temps, formed = moe_backward(ctx)
         mlp_bwd = temps + formed - released
     else:  # by the time the MLP's input gradients are formed, down_proj's backward has released its input

@@ -51,6 +51,29 @@ class LinearShape:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AttentionShape:
+    """A decoder layer's attention beyond its heads: biases, fused projections, dropout, score capping."""
+
+    qkv_bias: bool = False
+    out_bias: bool = False
+    fused_qkv: bool = False  # Phi-3 qkv_proj, GPT-2 c_attn
+    dropout: float = 0.0
+    softcap: float = 0.0  # Gemma-2: eager attention caps its scores with cap * tanh(scores / cap)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MlpShape:
+    """A decoder layer's MLP beyond its width: its kind, activation, bias, fusion and experts."""
+
+    kind: str = "gated"  # gated (SwiGLU/GeGLU: gate, up, down) or dense (fc, proj)
+    act: str = "silu"
+    bias: bool = False
+    fused_gate_up: bool = False  # Phi-3 gate_up_proj
+    num_experts: int = 0  # 0 = dense MLP
+    experts_per_token: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     name: str
     model_type: str
@@ -63,20 +86,11 @@ class ModelSpec:
     vocab_size: int
     max_position_embeddings: int
     tie_word_embeddings: bool
-    mlp: str = "gated"  # gated (SwiGLU/GeGLU: gate, up, down) or dense (fc, proj)
-    hidden_act: str = "silu"
+    attn: AttentionShape = field(default_factory=lambda: AttentionShape())
+    mlp: MlpShape = field(default_factory=lambda: MlpShape())
     norm: str = "rmsnorm"  # rmsnorm (weight) or layernorm (weight + bias)
     norms_per_layer: int = 2  # Gemma-2 has 4
-    qkv_bias: bool = False
-    out_bias: bool = False
-    mlp_bias: bool = False
-    fused_qkv: bool = False  # Phi-3 qkv_proj, GPT-2 c_attn
-    fused_gate_up: bool = False  # Phi-3 gate_up_proj
-    num_experts: int = 0  # 0 = dense MLP
-    experts_per_token: int = 0
     learned_positions: int = 0  # GPT-2 wpe rows
-    attn_dropout: float = 0.0
-    attn_softcap: float = 0.0  # Gemma-2: eager attention caps its scores with cap * tanh(scores / cap)
     resid_dropout: float = 0.0
     embd_dropout: float = 0.0
     source: str = ""
@@ -127,22 +141,26 @@ class ModelSpec:
                 LinearShape(module="c_proj", in_features=i, out_features=h, bias=True, group="mlp"),
             )
         attn: list[LinearShape] = []
-        if self.fused_qkv:
+        if self.attn.fused_qkv:
             qkv = self.q_dim + 2 * self.kv_dim
             attn.append(
-                LinearShape(module="qkv_proj", in_features=h, out_features=qkv, bias=self.qkv_bias, group="attn")
+                LinearShape(module="qkv_proj", in_features=h, out_features=qkv, bias=self.attn.qkv_bias, group="attn")
             )
         else:
             for mod, out in (("q_proj", self.q_dim), ("k_proj", self.kv_dim), ("v_proj", self.kv_dim)):
-                attn.append(LinearShape(module=mod, in_features=h, out_features=out, bias=self.qkv_bias, group="attn"))
-        o_proj = LinearShape(module="o_proj", in_features=self.q_dim, out_features=h, bias=self.out_bias, group="attn")
+                attn.append(
+                    LinearShape(module=mod, in_features=h, out_features=out, bias=self.attn.qkv_bias, group="attn")
+                )
+        o_proj = LinearShape(
+            module="o_proj", in_features=self.q_dim, out_features=h, bias=self.attn.out_bias, group="attn"
+        )
         # in the modules' registration order, which the parameters (and the optimizer's loop) follow:
         # Phi-3 registers o_proj before qkv_proj
         attn.insert(0 if self.model_type == "phi3" else len(attn), o_proj)
-        if self.num_experts:
+        if self.mlp.num_experts:
             return tuple(attn)
-        b = self.mlp_bias
-        if self.fused_gate_up:
+        b = self.mlp.bias
+        if self.mlp.fused_gate_up:
             mlp = [LinearShape(module="gate_up_proj", in_features=h, out_features=2 * i, bias=b, group="mlp")]
         else:
             mlp = [
@@ -198,8 +216,8 @@ class ModelSpec:
             add(f"{base}.weight", lin.module, (lin.out_features, lin.in_features), "linear")
             if lin.bias:
                 add(f"{base}.bias", lin.module, (lin.out_features,), "bias")
-        if self.num_experts:
-            e, i = self.num_experts, self.intermediate_size
+        if self.mlp.num_experts:
+            e, i = self.mlp.num_experts, self.intermediate_size
             add(f"{pre}.mlp.gate.weight", "gate", (e, h), "router")
             add(f"{pre}.mlp.experts.gate_up_proj", "experts", (e, 2 * i, h), "expert")
             add(f"{pre}.mlp.experts.down_proj", "experts", (e, h, i), "expert")
@@ -257,10 +275,10 @@ class ModelSpec:
     @property
     def active_params_per_token(self) -> int:
         """Parameters a token passes through (MoE: only experts_per_token experts)."""
-        if not self.num_experts:
+        if not self.mlp.num_experts:
             return self.num_params
         expert = 3 * self.hidden_size * self.intermediate_size
-        idle = (self.num_experts - self.experts_per_token) * expert * self.num_layers
+        idle = (self.mlp.num_experts - self.mlp.experts_per_token) * expert * self.num_layers
         return self.num_params - idle
 
     def summary(self) -> dict:
@@ -276,7 +294,7 @@ class ModelSpec:
             "intermediate": self.intermediate_size,
             "vocab": self.vocab_size,
             "tied_embeddings": self.tie_word_embeddings,
-            "experts": self.num_experts,
+            "experts": self.mlp.num_experts,
             "source": self.source,
         }
 
@@ -353,15 +371,10 @@ def from_hf_config(cfg: dict, *, name: str, where: str = "config.json") -> Model
             vocab_size=_req(cfg, "vocab_size", where),
             max_position_embeddings=_req(cfg, "n_positions", where),
             tie_word_embeddings=cfg.get("tie_word_embeddings", True),
-            mlp="dense",
+            attn=AttentionShape(qkv_bias=True, out_bias=True, fused_qkv=True, dropout=cfg.get("attn_pdrop", 0.1)),
+            mlp=MlpShape(kind="dense", act=cfg.get("activation_function", "gelu_new"), bias=True),
             norm="layernorm",
-            hidden_act=cfg.get("activation_function", "gelu_new"),
-            qkv_bias=True,
-            out_bias=True,
-            mlp_bias=True,
-            fused_qkv=True,
             learned_positions=cfg["n_positions"],
-            attn_dropout=cfg.get("attn_pdrop", 0.1),
             resid_dropout=cfg.get("resid_pdrop", 0.1),
             embd_dropout=cfg.get("embd_pdrop", 0.1),
             source=where,
@@ -391,16 +404,20 @@ def from_hf_config(cfg: dict, *, name: str, where: str = "config.json") -> Model
         max_position_embeddings=cfg.get("max_position_embeddings") or 4096,
         tie_word_embeddings=cfg.get("tie_word_embeddings", defaults_tied.get(mt, False)),
         norms_per_layer=4 if mt == "gemma2" else 2,
-        hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
-        qkv_bias=bool(cfg.get("attention_bias", mt == "qwen2")),
-        out_bias=bool(cfg.get("attention_bias", False)) and mt != "qwen2",
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
-        fused_qkv=mt == "phi3",
-        fused_gate_up=mt == "phi3",
-        num_experts=cfg.get("num_local_experts", 0) if mt == "mixtral" else 0,
-        experts_per_token=cfg.get("num_experts_per_tok", 0) if mt == "mixtral" else 0,
-        attn_dropout=cfg.get("attention_dropout", 0.0) or 0.0,
-        attn_softcap=(cfg.get("attn_logit_softcapping") or 0.0) if mt == "gemma2" else 0.0,
+        attn=AttentionShape(
+            qkv_bias=bool(cfg.get("attention_bias", mt == "qwen2")),
+            out_bias=bool(cfg.get("attention_bias", False)) and mt != "qwen2",
+            fused_qkv=mt == "phi3",
+            dropout=cfg.get("attention_dropout", 0.0) or 0.0,
+            softcap=(cfg.get("attn_logit_softcapping") or 0.0) if mt == "gemma2" else 0.0,
+        ),
+        mlp=MlpShape(
+            act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
+            bias=bool(cfg.get("mlp_bias", False)),
+            fused_gate_up=mt == "phi3",
+            num_experts=cfg.get("num_local_experts", 0) if mt == "mixtral" else 0,
+            experts_per_token=cfg.get("num_experts_per_tok", 0) if mt == "mixtral" else 0,
+        ),
         resid_dropout=cfg.get("resid_pdrop", 0.0) or 0.0,
         embd_dropout=cfg.get("embd_pdrop", 0.0) or 0.0,
         source=where,

@@ -34,8 +34,8 @@ def refuse(r: Resolved) -> None:
             f"{ac} layers, but {spec.name} has {spec.num_layers}",
             f"use at most {spec.num_layers}, or true to checkpoint every layer",
         )
-    if selective(cfg) and (spec.num_experts or spec.derived):
-        kind = "a mixture of experts" if spec.num_experts else "planned from derived terms"
+    if selective(cfg) and (spec.mlp.num_experts or spec.derived):
+        kind = "a mixture of experts" if spec.mlp.num_experts else "planned from derived terms"
         raise ConfigError(
             "memory.checkpointing_policy",
             f"selective checkpointing is planned for dense layers with hand-written terms; {spec.name} is {kind}",
