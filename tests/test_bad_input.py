@@ -174,6 +174,14 @@ FLAG_CASES = [
     (["runs", "show", "abc"], r"^argument ids: invalid int value: 'abc'"),
     (["runs", "compare", "1"], r"^runs compare: takes 2 run id\(s\), got 1"),
     (["devices", "--gpus", "0,zz"], r"^--gpus: "),
+    (["generate", "/nonexistent/model", "--prompt", "hi"], r"^MODEL: no such model directory or file"),
+    (["generate", "tiny-llama", "--prompt", "hi", "--max-new-tokens", "0"], r"^--max-new-tokens: must be 1\.\.4096"),
+    (["generate", "tiny-llama", "--prompt", "hi", "--temperature", "-1"], r"^--temperature: must be >= 0"),
+    (["settings", "--set", "optim.lr=nan"], r"^optim\.lr: must be a finite number"),
+    (["config", "--show", "/nonexistent.toml"], r"^config: no such file '/nonexistent\.toml'"),
+    (["export", "/nonexistent/run", "-o", "out"], r"^RUN_OR_CHECKPOINT: no such directory '/nonexistent/run'"),
+    (["launch", "/nonexistent.toml", "--target", "slurm"], r"^config: no such file '/nonexistent\.toml'"),
+    (["launch", "--target", "slurm"], r"^hardware\.gpus: is 'auto' \(this machine's devices\)"),
 ]
 
 
@@ -257,6 +265,12 @@ ALL = TYPE_CASES + NONFINITE_CASES + RANGE_CASES + FLAG_CASES
 
 def test_the_table_is_large_enough():
     assert len(ALL) + len(_file_cases(_Tmp())) >= 150
+
+
+def test_every_command_has_its_bad_input_cases():
+    from trainplan.cli import COMMANDS
+
+    assert set(COMMANDS) <= {argv[0] for argv, _ in ALL}, set(COMMANDS) - {argv[0] for argv, _ in ALL}
 
 
 class _Tmp:  # a throwaway stand-in for counting the file cases

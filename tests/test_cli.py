@@ -161,23 +161,49 @@ def test_verify_resume_refuses_k_outside_the_run():
     assert r.returncode == 2 and "--at: must be between 1 and 3 (got 4)" in r.stderr
 
 
-def test_an_unexpected_error_is_one_line_and_its_traceback_is_kept(monkeypatch, capsys, tmp_path):
-    """A bug is not bad input: exit 1, one line naming the exception and a file with the traceback."""
-    import re
+# The least each command needs to reach its own code (argparse's requirements met).
+MINIMAL_ARGV = {
+    "advise": ["Llama-3.1-8B"],
+    "runs": ["list"],
+    "export": ["run", "-o", "out"],
+    "generate": ["tiny-llama", "--prompt", "hi"],
+    "launch": ["job.toml", "--target", "slurm"],
+}
 
-    from trainplan.commands import plan as plan_cmd
+
+@pytest.mark.parametrize("name", list(cli.COMMANDS))
+def test_an_unexpected_error_is_exit_4_in_one_line_and_its_traceback_is_kept(name, monkeypatch, capsys, tmp_path):
+    """A bug is not bad input, nor a verdict: in every command, exit 4, one line naming the exception and a
+    file with the traceback."""
+    import re
 
     monkeypatch.setenv("HOME", str(tmp_path))  # tracebacks go under ~/.cache/trainplan/tracebacks
 
     def broken(args):
         raise ZeroDivisionError("division by zero\nsecond line")
 
-    monkeypatch.setattr(plan_cmd, "run", broken)
-    assert cli.main(["plan"]) == 1
+    monkeypatch.setattr(cli.command(name), "run", broken)
+    assert cli.main([name, *MINIMAL_ARGV.get(name, [])]) == 4
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "trainplan plan: internal error: ZeroDivisionError: division by zero" in lines[0]
+    assert len(lines) == 1 and f"trainplan {name}: internal error: ZeroDivisionError: division by zero" in lines[0]
     saved = Path(re.search(r"traceback: (\S+);", lines[0]).group(1))
     assert saved.is_relative_to(tmp_path) and "raise ZeroDivisionError" in saved.read_text()
+
+
+def test_every_help_and_the_readme_state_the_exit_codes(capsys):
+    """One meaning per code, the same table everywhere: each --help ends with it, and the README's table
+    lists the codes trainplan/errors.py defines."""
+    from trainplan import errors
+
+    for name in ["", *cli.COMMANDS]:
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args([name, "--help"] if name else ["--help"])
+        assert " ".join(capsys.readouterr().out.split()).endswith(errors.EXIT_CODES_HELP), name
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("### Exit codes", 1)[1].split("\n\n")[2]
+    codes = [int(row.split("|")[1]) for row in table.splitlines()[2:]]
+    defined = sorted(v for k, v in vars(errors).items() if k.startswith("EXIT_") and isinstance(v, int))
+    assert codes == defined == [0, 1, 2, 3, 4]
 
 
 def test_a_sequence_beyond_the_context_is_refused_unless_extended(capsys):

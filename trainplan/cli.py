@@ -9,8 +9,7 @@ import importlib
 import logging
 import sys
 
-from trainplan.commands._common import EXIT_BAD_INPUT
-from trainplan.errors import TrainplanError
+from trainplan.errors import EXIT_BAD_INPUT, EXIT_CODES_HELP, EXIT_INTERNAL, EXIT_STOPPED, TrainplanError
 
 # name -> module under trainplan/commands/, in the order `trainplan --help` lists them
 COMMANDS: dict[str, str] = {
@@ -45,12 +44,12 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from trainplan import __version__
 
-    parser = Parser(prog="trainplan", description="Plan, run and verify LLM fine-tuning.")
+    parser = Parser(prog="trainplan", description="Plan, run and verify LLM fine-tuning.", epilog=EXIT_CODES_HELP)
     parser.add_argument("--version", action="version", version=f"trainplan {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         module = command(name)
-        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP, epilog=EXIT_CODES_HELP)
         module.add_args(p)
         p.set_defaults(_run=module.run)
     return parser
@@ -71,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training loop
         print(f"trainplan {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_STOPPED
     except BrokenPipeError:  # `trainplan plan --markdown | head`: the reader left; end quietly, as `yes | head` does
         import os
 
@@ -91,9 +90,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_INTERNAL
-
-
-EXIT_INTERNAL = 1
 
 
 def os_error_text(e: BaseException) -> str:

@@ -4,6 +4,18 @@ from __future__ import annotations
 
 import difflib
 
+# Exit codes, one meaning each, the same for every command (README "Exit codes", every --help).
+EXIT_OK = 0  # done; the plan fits; every check passed
+EXIT_FAILED = 1  # does not fit, or a check failed (the run's contract, accept's verdict, verify-resume)
+EXIT_BAD_INPUT = 2  # bad input: one line naming the field and the fix, nothing written
+EXIT_STOPPED = 3  # stopped before the end, resumable: interrupted (Ctrl-C, SIGTERM), or the stability guard
+EXIT_INTERNAL = 4  # an internal error, a bug: one line, the traceback saved to a file
+EXIT_CODES_HELP = (
+    "exit codes: 0 done / fits / passed; 1 does not fit, or a check failed; 2 bad input (one line naming "
+    "the field and the fix); 3 stopped before the end, resumable from its checkpoint (Ctrl-C, SIGTERM, "
+    "the stability guard); 4 internal error (a bug: the traceback is saved to a file)"
+)
+
 
 class TrainplanError(ValueError):
     """A user error: bad input, a refused configuration. The CLI prints it on one line, exit 2."""

@@ -10,9 +10,8 @@ import pytest
 
 from trainplan import cli
 from trainplan import config as C
-from trainplan.commands._common import EXIT_GUARD_STOP
 from trainplan.commands.train import execute
-from trainplan.errors import ConfigError
+from trainplan.errors import EXIT_STOPPED, ConfigError
 from trainplan.run import guard
 
 
@@ -151,7 +150,7 @@ def test_stop_keeps_a_checkpoint_and_exits_non_zero(tiny_run, tmp_path, capsys):
         + ["guard.on_nonfinite=stop", "guard.inject=['nan-grad@3']"]
         for x in ("--set", item)
     ]
-    assert cli.main(args) == EXIT_GUARD_STOP
+    assert cli.main(args) == EXIT_STOPPED
     assert "stopped by the stability guard at step 3" in capsys.readouterr().out
     record = json.loads((tmp_path / "record.json").read_text())
     assert record["stopped"]["step"] == 3 and len(record["steps"]) == 3
@@ -312,7 +311,7 @@ def test_a_second_rollback_with_nothing_new_to_skip_stops(tiny_run, tmp_path, ca
     settings = [*base, "train.steps=4", f"train.output_dir={tmp_path}", "train.overfit_batches=1"]
     settings += [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every=1", "guard.window=3", "guard.min_history=3"]
     settings += ["guard.on_spike=rollback", "guard.inject=['spike@4', 'spike@4']", "train.measure_memory=false"]
-    assert cli.main(["train", *(x for item in settings for x in ("--set", item))]) == EXIT_GUARD_STOP
+    assert cli.main(["train", *(x for item in settings for x in ("--set", item))]) == EXIT_STOPPED
     assert "stopped by the stability guard at step 4" in capsys.readouterr().out
     record = json.loads((tmp_path / "record.json").read_text())
     first, second = record["guard"]["events"]

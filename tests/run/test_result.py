@@ -6,6 +6,7 @@ import pytest
 
 from trainplan import config as C
 from trainplan.commands.train import execute
+from trainplan.errors import EXIT_STOPPED
 from trainplan.run import checkpoint, dist, evaluate, setup
 from trainplan.spec.precision import PRECISIONS
 
@@ -56,14 +57,14 @@ def test_a_full_run_leaves_a_model_that_reproduces_its_held_out_loss(tiny_run, t
 
 def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint_and_the_result(tiny_run, tmp_path, capsys):
     """SIGINT at step 2 (a real signal to this process): the step finishes, a checkpoint and the
-    result are written, the exit code is 130 and no traceback; resume=auto then finishes the run."""
+    result are written, the exit code is 3 (stopped, resumable) and no traceback; resume=auto then finishes the run."""
     from trainplan import cli
 
     root, base = tiny_run
     out, ck = tmp_path / "run", tmp_path / "ck"
     sets = [*base, "mode=lora", "train.steps=4", "checkpoint.every=0", f"checkpoint.dir={ck}", "train.eval_batches=1"]
     args = ["train", *(x for s in sets for x in ("--set", s)), "--output-dir", str(out), "--registry", "off"]
-    assert cli.main([*args, "--set", "guard.inject=['sigint@2']"]) == 130
+    assert cli.main([*args, "--set", "guard.inject=['sigint@2']"]) == EXIT_STOPPED
     printed = capsys.readouterr()
     assert "interrupted by SIGINT after step 2: checkpoint and result saved" in printed.out
     assert "Traceback" not in printed.err

@@ -1,4 +1,4 @@
-"""What every subcommand shares: the config flags, one --registry, output, exit codes."""
+"""What every subcommand shares: the config flags, one --registry, output (exit codes: trainplan/errors.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,6 @@ import sys
 
 from trainplan.errors import TrainplanError
 from trainplan.files import write_atomic
-
-EXIT_BAD_INPUT = 2
-EXIT_GUARD_STOP = 3  # train: the stability guard stopped the run (a checkpoint of the last good state is kept)
-
 
 # Flags shared by every command that takes a RunConfig: (flag, config key, argparse kwargs).
 CONFIG_FLAGS: tuple[tuple[str, str, dict], ...] = (

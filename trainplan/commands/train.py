@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 from trainplan.commands._common import (
-    EXIT_GUARD_STOP,
     add_config_args,
     add_logging_args,
     add_registry_arg,
@@ -18,6 +17,7 @@ from trainplan.commands._common import (
     setup_logging,
     warn,
 )
+from trainplan.errors import EXIT_FAILED, EXIT_OK, EXIT_STOPPED
 
 HELP = "run the job for real: full, lora, qlora (CUDA) or inference; single process or under torchrun"
 
@@ -103,8 +103,6 @@ def run(args: argparse.Namespace) -> int:
     rec, env = execute(config_from_args(args), args.registry)
     if env.is_main:
         print("\n".join(summary(rec)))
-    if rec.interrupted:  # the shell's convention: 128 + the signal (130 Ctrl-C, 143 SIGTERM)
-        return dist.finish(env, rec.interrupted["code"])
-    if rec.stopped:
-        return dist.finish(env, EXIT_GUARD_STOP)
-    return dist.finish(env, 0 if rec.passed else 1)
+    if rec.interrupted or rec.stopped:  # a signal, or the guard: a checkpoint to resume from is kept
+        return dist.finish(env, EXIT_STOPPED)
+    return dist.finish(env, EXIT_OK if rec.passed else EXIT_FAILED)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import signal
 from typing import TYPE_CHECKING
 
+from trainplan.errors import EXIT_STOPPED
+
 if TYPE_CHECKING:
     from trainplan.run.checkpoint.manager import CheckpointManager
     from trainplan.run.guard import StepGuard
@@ -35,7 +37,7 @@ class Interruption:
             return None
         if state.step > self.start:
             self.ckpt.save(state, force=True)
-        trainer.record.interrupted = {"signal": signal.Signals(signum).name, "code": 128 + signum, "step": state.step}
+        trainer.record.interrupted = {"signal": signal.Signals(signum).name, "code": EXIT_STOPPED, "step": state.step}
         return STOP
 
 
