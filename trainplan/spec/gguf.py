@@ -3,6 +3,7 @@ and the transformers config.json it stands for (spec/model.py builds the ModelSp
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -11,84 +12,108 @@ from trainplan.errors import ConfigError
 _GGUF_TO_HF = {"llama": "llama", "qwen2": "qwen2", "gemma2": "gemma2", "phi3": "phi3", "gpt2": "gpt2"}
 
 
+# A header nests arrays no deeper than this (the published layout has none nested; a corrupt one could
+# recurse until Python's stack gives out).
+MAX_ARRAY_DEPTH = 4
+
+
 def _read_gguf_header(path: Path) -> tuple[dict, set[str]]:
     """Read a GGUF file's key/value metadata and tensor names, stopping before the tensor data.
 
     A direct reader of the published GGUF layout (github.com/ggml-org/ggml docs/gguf.md): the
     `gguf` package's reader parses every tensor and token up front (about 2 s for SmolLM2),
     too slow for an instant plan. tests/spec/test_model.py checks this reader against it.
+
+    Every length and count is bounded by the bytes the file has left before anything is read or
+    allocated for it: a corrupt or hostile header is a ValueError naming what it claims, never a
+    read of 2^62 bytes or a loop over 2^62 items.
     """
 
     scalar = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
     with open(path, "rb") as f:
-        data = f.read(1 << 20)
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(min(size, 1 << 20))
         pos = 0
 
-        def need(n: int) -> None:
+        def need(n: int, what: str) -> None:
             nonlocal data
+            if n > size - pos:
+                raise ValueError(
+                    f"{what} claims {n:,} bytes, but the file has {size - pos:,} left (truncated or corrupt)"
+                )
             while pos + n > len(data):
-                chunk = f.read(max(n, 1 << 20))
-                if not chunk:
-                    raise EOFError("truncated GGUF header")
-                data += chunk
+                data += f.read(max(n, 1 << 20))
 
-        def unpack(fmt: str):
+        def unpack(fmt: str, what: str):
             nonlocal pos
-            size = struct.calcsize(fmt)
-            need(size)
+            nbytes = struct.calcsize(fmt)
+            need(nbytes, what)
             (val,) = struct.unpack_from(fmt, data, pos)
-            pos += size
+            pos += nbytes
             return val
 
-        def string() -> str:
+        def count(what: str, least_bytes: int) -> int:
+            """An item count, each item at least `least_bytes` long: no more than the file can hold."""
+            n = unpack("<Q", what)
+            need(n * least_bytes, f"{what} ({n:,} items)")
+            return n
+
+        def string(what: str) -> str:
             nonlocal pos
-            n = unpack("<Q")
-            need(n)
+            n = unpack("<Q", what)
+            need(n, what)
             pos += n
             return data[pos - n : pos].decode("utf-8", errors="replace")
 
-        def read_value(vtype: int):
+        def read_value(vtype: int, what: str, depth: int = 0):
             nonlocal pos
             if vtype in scalar:
-                return unpack(scalar[vtype])
+                return unpack(scalar[vtype], what)
             if vtype == 8:
-                return string()
+                return string(what)
             if vtype == 9:  # array: keep only its length, we never need the items
-                itype, count = unpack("<I"), unpack("<Q")
+                if depth >= MAX_ARRAY_DEPTH:
+                    raise ValueError(f"{what}: arrays nested deeper than {MAX_ARRAY_DEPTH}")
+                itype = unpack("<I", what)
+                least = struct.calcsize(scalar[itype]) if itype in scalar else {8: 8, 9: 12}.get(itype, 1)
+                n = count(what, least)
                 if itype == 8:  # strings (the vocabulary): skip them in a tight loop
-                    for _ in range(count):
-                        need(8)
-                        pos += 8 + int.from_bytes(data[pos : pos + 8], "little")
-                    need(0)
+                    for _ in range(n):
+                        length = unpack("<Q", what)
+                        pos += length
+                        need(0, what)
+                        if pos > size:
+                            raise ValueError(f"{what}: a string runs past the end of the file (truncated or corrupt)")
                 elif itype in scalar:
-                    size = struct.calcsize(scalar[itype]) * count
-                    need(size)
-                    pos += size
+                    pos += least * n
                 else:
-                    for _ in range(count):
-                        read_value(itype)
-                return count
-            raise ValueError(f"unknown GGUF value type {vtype}")
+                    for _ in range(n):
+                        read_value(itype, what, depth + 1)
+                return n
+            raise ValueError(f"{what}: unknown GGUF value type {vtype}")
 
         if data[:4] != b"GGUF":
             raise ValueError("not a GGUF file (bad magic)")
         pos = 4
-        version = unpack("<I")
+        version = unpack("<I", "the version")
         if version < 2:
             raise ValueError(f"GGUF version {version} is too old")
-        n_tensors, n_kv = unpack("<Q"), unpack("<Q")
+        n_tensors = unpack("<Q", "the tensor count")
+        n_kv = count("the metadata count", 8 + 4)  # each entry: a key's length and its value's type at least
         meta = {}
-        for _ in range(n_kv):
-            key = string()
-            meta[key] = read_value(unpack("<I"))
+        for i in range(n_kv):
+            key = string(f"metadata key {i}")
+            what = f"metadata {key!r}"  # escaped: a corrupt key's control characters stay on one line
+            meta[key] = read_value(unpack("<I", what), what)
+        need(n_tensors * (8 + 4 + 4 + 8), f"the tensor count ({n_tensors:,} tensors)")
         names = set()
-        for _ in range(n_tensors):
-            names.add(string())
-            n_dims = unpack("<I")
-            for _ in range(n_dims):
-                unpack("<Q")
-            unpack("<I")
-            unpack("<Q")
+        for i in range(n_tensors):
+            names.add(string(f"tensor {i}'s name"))
+            n_dims = unpack("<I", f"tensor {i}'s dimension count")
+            need(8 * n_dims, f"tensor {i}'s {n_dims:,} dimensions")
+            pos += 8 * n_dims
+            unpack("<I", f"tensor {i}'s type")
+            unpack("<Q", f"tensor {i}'s offset")
     return meta, names
 
 
