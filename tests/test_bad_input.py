@@ -174,6 +174,23 @@ FLAG_CASES = [
     (["runs", "show", "abc"], r"^argument ids: invalid int value: 'abc'"),
     (["runs", "compare", "1"], r"^runs compare: takes 2 run id\(s\), got 1"),
     (["devices", "--gpus", "0,zz"], r"^--gpus: "),
+    # numbers in ASCII digits only (int() and `\d` would read these): steps, device counts, sizes, indices
+    (["plan", "--set", 'guard.inject=["nan-loss@²"]'], r"^guard\.inject: 'nan-loss@²' is not KIND@STEP"),
+    (["plan", "--set", 'guard.inject=["spike@٣"]'], r"^guard\.inject: 'spike@٣' is not KIND@STEP"),
+    (["plan", "--seq", "٣"], r"^argument --seq: invalid int value: '٣'"),
+    (["plan", "--micro-batch", "１"], r"^argument --micro-batch: invalid int value"),
+    (["plan", "--gpus", "٢xH100-80GB"], r"^hardware\.gpus: unknown device '٢xH100-80GB'"),
+    (["plan", "--gpus", "２４GiB"], r"^hardware\.gpus: unknown device"),
+    (["plan", "--gpu-mem", "٣GiB"], r"^hardware\.gpu_mem: unknown device '٣GiB'"),
+    (["plan", "--gpus", "cpu", "--set", "hardware.host_mem=٣GiB"], r"^hardware\.host_mem: cannot read size"),
+    (["plan", "--gpus", "cpu", "--set", f"hardware.host_mem={'9' * 30}GiB"], r"^hardware\.host_mem: size .* past any"),
+    (["plan", "--gpus", "cpu", "--set", "hardware.memory_budget=1e3GiB"], r"^hardware\.memory_budget: cannot read"),
+    (["devices", "--gpus", "٣"], r"^--gpus: '٣' is not a list of GPU indices"),
+    (["accept", "--perturb-plan", "activations=٣"], r"^--perturb-plan: "),
+    (
+        ["advise", "Llama-3.1-8B", "--gpus", "8xH100-80GB", "--margin", "٠.١"],
+        r"^argument --margin: invalid float value",
+    ),
     (["generate", "/nonexistent/model", "--prompt", "hi"], r"^MODEL: no such model directory or file"),
     (["generate", "tiny-llama", "--prompt", "hi", "--max-new-tokens", "0"], r"^--max-new-tokens: must be 1\.\.4096"),
     (["generate", "tiny-llama", "--prompt", "hi", "--temperature", "-1"], r"^--temperature: must be >= 0"),
@@ -315,3 +332,63 @@ def test_bad_files_are_one_line_and_exit_2(case, tmp_path, capsys, monkeypatch):
     files.mkdir()
     argv, pattern = _file_cases(files)[case]
     _check(argv, pattern, tmp_path, capsys, monkeypatch)
+
+
+# Hostile `--set KEY=VALUE` text for every field: unicode digits, non-finite and huge numbers, empty
+# values, nested tables and arrays, control and astral characters.
+HOSTILE_VALUES = [
+    "²",
+    "٣",
+    "１２",
+    "3²",
+    "nan",
+    "inf",
+    "-inf",
+    "1e999",
+    "9" * 400,
+    "-" + "9" * 400,
+    "",
+    '""',
+    "{a = 1}",
+    "{nested = {deep = 1}}",
+    "[[1]]",
+    '[{a = "b"}]',
+    '"\\u0000"',
+    "😀",
+]
+
+
+def _every_key() -> list[tuple[str, str]]:
+    """(key, its declared type) for every setting --set can name."""
+    from trainplan.config.schema import _TOP_KEYS, RunConfig
+
+    top = {f.name: str(f.type) for f in dataclasses.fields(RunConfig)}
+    out = [(k, top[k]) for k in _TOP_KEYS]
+    for section, cls in C._SECTION_TYPES.items():
+        out += [(f"{section}.{f.name}", str(f.type)) for f in dataclasses.fields(cls)]
+    return out
+
+
+@pytest.mark.parametrize(("key", "kind"), _every_key(), ids=[k for k, _ in _every_key()])
+def test_hostile_values_for_every_setting_are_bad_input_never_a_crash(key, kind, tmp_path, capsys, monkeypatch):
+    """Every hostile value of every field: never an internal error (exit 4). A field that is not a plain
+    string refuses them all (exit 2, one line naming the field); a string field may accept a string."""
+    monkeypatch.chdir(tmp_path)
+    base = {"model.source": ["--model", "tiny-llama"], "hardware.gpus": ["--gpus", "cpu"]}
+    fixed = [x for k, flags in base.items() if k != key for x in flags]
+    for raw in HOSTILE_VALUES:
+        code = cli.main(["plan", *fixed, "--set", f"{key}={raw}"])
+        out, err = capsys.readouterr()
+        assert code in (0, 1, 2), (key, raw, code, err[-2000:])
+        if code == 2:
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and "Traceback" not in err, (key, raw, err[-2000:])
+        elif kind.replace(" | None", "") != "str" or not _is_string(raw):
+            pytest.fail(f"{key}={raw!r} was accepted (exit {code}); it is no value of {kind}")
+
+
+def _is_string(raw: str) -> bool:
+    """Whether --set reads `raw` as a string (a bare word, or a quoted TOML string)."""
+    from trainplan.config.loading import parse_override
+
+    return isinstance(parse_override(f"k={raw}")[1], str)

@@ -10,6 +10,7 @@ import logging
 import sys
 
 from trainplan.errors import EXIT_BAD_INPUT, EXIT_CODES_HELP, EXIT_INTERNAL, EXIT_STOPPED, TrainplanError
+from trainplan.text import ascii_float, ascii_int
 
 # name -> module under trainplan/commands/, in the order `trainplan --help` lists them
 COMMANDS: dict[str, str] = {
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         module = command(name)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP, epilog=EXIT_CODES_HELP)
+        p.register("type", int, ascii_int)  # every type=int / type=float flag reads ASCII digits only
+        p.register("type", float, ascii_float)
         module.add_args(p)
         p.set_defaults(_run=module.run)
     return parser

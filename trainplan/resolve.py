@@ -90,8 +90,9 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
         )
     if features.lora.on(cfg):
         cfg = features.lora.with_modules(cfg, spec)
-    if cfg.hardware.memory_budget is not None:
-        parse_size(cfg.hardware.memory_budget, "hardware.memory_budget")  # refuses a size without a unit
+    for name in ("memory_budget", "host_mem"):  # refused now, whether or not this plan reads them
+        if getattr(cfg.hardware, name):
+            parse_size(getattr(cfg.hardware, name), f"hardware.{name}")
     spec.attention(cfg.memory.attention)  # refuses sdpa where transformers has none
     dims = build_parallel_dims(cfg.parallel, len(devices), spec)
     batch = resolve_batch(cfg.batch, dims.dp)

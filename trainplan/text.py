@@ -1,5 +1,6 @@
 """Text that came from users (paths, model names, data sources, error messages) made safe for
-where it is shown: Markdown (reports) and the terminal (`runs list|show|compare`)."""
+where it is shown: Markdown (reports) and the terminal (`runs list|show|compare`); and numbers read
+from users' text strictly, in ASCII digits only."""
 
 from __future__ import annotations
 
@@ -12,6 +13,28 @@ import textwrap
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 and C1 controls but tab and newline
 _UNIT = re.compile(r"(\d) (B|KiB|MiB|GiB|TiB|s|ms|%)(?!\w)")
 _MARKDOWN = re.compile(r"([\\`*_{}\[\]()#+!|~])")
+
+
+_ASCII_INT = re.compile(r"[-+]?[0-9]+")
+
+
+def ascii_int(text: str) -> int:
+    """An integer written in ASCII digits (an optional sign): Python's int() would also read "٣", "３"
+    and "1_000"; ValueError otherwise. Named `int` for argparse's message ("invalid int value")."""
+    if not _ASCII_INT.fullmatch(text.strip()):
+        raise ValueError(f"not an integer in ASCII digits: {text!r}")
+    return int(text)
+
+
+def ascii_float(text: str) -> float:
+    """A number written in ASCII (float()'s syntax otherwise: "nan" and "inf" stay for the caller's own
+    range check to name); ValueError for "٣.5" or "1_0"."""
+    if not text.isascii() or "_" in text:
+        raise ValueError(f"not a number in ASCII: {text!r}")
+    return float(text)
+
+
+ascii_int.__name__, ascii_float.__name__ = "int", "float"
 
 
 def printable(text: object) -> str:

@@ -19,6 +19,7 @@ from trainplan.commands._common import (
 )
 from trainplan.errors import TrainplanError
 from trainplan.files import require_writable, write_atomic
+from trainplan.text import ascii_float
 
 HELP = (
     "the acceptance run: mode contract, memory plan vs measured per device, step, quality, resume, "
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     for item in args.perturb_plan:
         comp, _, factor = item.partition("=")
         try:
-            perturb[comp.strip()] = float(factor)
+            perturb[comp.strip()] = ascii_float(factor)
         except ValueError:
             raise TrainplanError(f"--perturb-plan: {item!r} is not COMPONENT=FACTOR; e.g. activations=0.5") from None
         from trainplan.plan.ledger import COMPONENTS

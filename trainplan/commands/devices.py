@@ -9,6 +9,7 @@ import sys
 from trainplan.commands._common import emit
 from trainplan.errors import TrainplanError
 from trainplan.spec.devices import format_gib
+from trainplan.text import ascii_int
 from trainplan.verify.preflight import (
     CPU_MATMUL_SIZE,
     GPU_MATMUL_SIZE,
@@ -66,7 +67,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def _indices(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        return [ascii_int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise TrainplanError(f"--gpus: {text!r} is not a list of GPU indices; write e.g. 0,1") from None
 

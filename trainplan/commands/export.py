@@ -33,7 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def source_path(given: str, registry_arg: str | None, field: str = "RUN_OR_CHECKPOINT") -> Path:
     """A path as given, or a registry run id's output directory."""
     path = Path(given)
-    if path.exists() or not given.isdigit():
+    if path.exists() or not (given.isascii() and given.isdigit()):
         return path
     from trainplan.errors import ConfigError, TrainplanError
     from trainplan.verify import registry

@@ -12,6 +12,8 @@ from typing import Any
 from trainplan.config.schema import _ALONE, _SECTION_TYPES, _TOP_KEYS, RunConfig
 from trainplan.errors import ConfigError, ConfigErrors, nearest
 
+MAX_NUMBER = 1 << 53  # the largest number a setting may be (exact as a float; every real one is far below)
+
 
 def _known_keys() -> list[str]:
     keys = [f"run.{k}" for k in _TOP_KEYS] + list(_TOP_KEYS)
@@ -91,6 +93,10 @@ def _section(name: str, cls: type, body: dict, problems: list[ConfigError]):
                 raise ConfigError(where, "unknown setting", nearest(where, sorted(f"{name}.{a}" for a in fields)))
             if isinstance(value, float) and not math.isfinite(value):  # nan and inf pass every range check
                 raise ConfigError(where, f"must be a finite number (got {value})", "give a finite value")
+            if isinstance(value, int | float) and not isinstance(value, bool) and abs(value) > MAX_NUMBER:
+                # past 2^53 an integer is no longer exact as a float, and every setting is far below it
+                digits = len(str(int(abs(value))))
+                raise ConfigError(where, f"is a {digits}-digit number, past any meaning", "give a value below 2^53")
             check_type(where, fields[key], value)
             _ALONE[0] = True
             try:

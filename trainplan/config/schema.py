@@ -242,7 +242,7 @@ class GuardConfig:
             _choice("guard", name, getattr(self, name), GUARD_ACTIONS)
         for item in self.inject:
             kind, _, at = str(item).partition("@")
-            if kind not in INJECT_KINDS or not at.isdigit() or int(at) < 1:
+            if kind not in INJECT_KINDS or not (at.isascii() and at.isdigit()) or int(at) < 1:
                 raise ConfigError(
                     "guard.inject",
                     f"{item!r} is not KIND@STEP",

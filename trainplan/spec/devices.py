@@ -91,7 +91,9 @@ def reported(name: str) -> DeviceSpec | None:
     return _BY_KEY[max(hits, key=len)] if hits else None
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(KiB|MiB|GiB|TiB|KB|MB|GB|TB|B)?\s*$", re.IGNORECASE)
+# ASCII digits only (re.ASCII): `\d` would read "２４GiB" or "٣GiB" too
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(KiB|MiB|GiB|TiB|KB|MB|GB|TB|B)?\s*$", re.IGNORECASE | re.ASCII)
+MAX_SIZE_BYTES = 1 << 60  # an exbibyte: far above any device or host
 _UNITS = {
     "b": 1,
     "kib": 1 << 10,
@@ -113,9 +115,17 @@ def parse_size(text: str, field: str) -> int:
         raise ConfigError(field, f"cannot read size {text!r}", "write it like 24GiB or 80GB")
     if m.group(2) is None:
         raise ConfigError(field, f"{str(text).strip()!r} has no unit", "write it like 24GiB or 80GB")
+    if len(m.group(1)) > 24:
+        raise ConfigError(
+            field, f"size {str(text).strip()[:32]!r}... is past any device", "write it like 24GiB or 80GB"
+        )
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if value <= 0:
         raise ConfigError(field, f"size must be positive (got {text!r})", "give a positive size")
+    if value > MAX_SIZE_BYTES:
+        raise ConfigError(
+            field, f"size {str(text).strip()!r} is past any device (1 EiB)", "write it like 24GiB or 80GB"
+        )
     return int(value)
 
 
@@ -155,7 +165,7 @@ def lookup(name: str, field: str = "hardware.gpus") -> DeviceSpec:
     dev = _BY_KEY.get(_key(name))
     if dev is not None:
         return dev
-    bare = re.fullmatch(r"\s*\d+(?:\.\d+)?\s*", name)
+    bare = re.fullmatch(r"\s*\d+(?:\.\d+)?\s*", name, re.ASCII)
     if bare:  # a model number or a size without its unit: say which devices it could mean
         named = [n for n in CATALOG if name.strip() in n]
         hint = f"for the GPU write {' or '.join(named)}; " if named else ""
@@ -246,7 +256,7 @@ def _parse(text: str, gpu_mem: str | None, field: str) -> list[DeviceSpec]:
         devices = detect()
     else:
         for part in str(text).split(","):
-            m = re.match(r"^\s*(\d+)\s*[x×*]\s*(.+)$", part)
+            m = re.match(r"^\s*(\d+)\s*[x×*]\s*(.+)$", part, re.ASCII)
             count, name = (int(m.group(1)), m.group(2)) if m else (1, part)
             if count > MAX_DEVICE_COUNT:
                 raise ConfigError(
