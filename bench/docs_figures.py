@@ -4,7 +4,8 @@ Run: .venv/bin/python bench/docs_figures.py [--only demo,advise,checkpointing]  
 
 - demo: `make demo`'s acceptance run (`trainplan accept --output-dir runs/accept`) and the full
   fine-tune example (`trainplan train examples/demo-full.toml`): the verdict block and the table of both
-  runs in README.md, between its `docs_figures: demo` markers.
+  runs in README.md, between its `docs_figures: demo` markers; the LoRA result's model card in
+  docs/result-card.md.
 - advise: docs/advise.md's search-speed table (bench/advise_speed.py --write-doc).
 - checkpointing: docs/benchmarks.md's checkpointing table (bench/checkpointing.py --write-doc).
 
@@ -27,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+CARD = ROOT / "docs" / "result-card.md"  # the model card the demo's LoRA run writes, as written
 BEGIN, END = "<!-- docs_figures: demo begin -->", "<!-- docs_figures: demo end -->"
 TRAINPLAN = [sys.executable, "-m", "trainplan"]
 
@@ -70,6 +72,13 @@ def demo() -> str:
     _, full_wall = _run([*TRAINPLAN, "train", "examples/demo-full.toml", "--quiet"])
     full = json.loads((ROOT / "runs/demo-full/record.json").read_text())
     lora = accept["config"]["lora"]
+    card = Path(accept["result"]["path"]) / "README.md"
+    CARD.write_text(
+        "# The model card of the README's run\n\n`trainplan accept` (the README's `make demo`) trains a LoRA "
+        f"adapter on the embedded default; its result directory holds this README.md, written from the run's record "
+        f"(run/result.py `write_card`). Measured on {machine()}, {datetime.date.today()}, `make docs-figures`; "
+        "copied as written:\n\n````markdown\n" + card.read_text() + "````\n"
+    )
     lines = [
         f"Measured on this machine ({machine()}, {datetime.date.today()}, `make docs-figures`):",
         "",

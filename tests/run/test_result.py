@@ -36,6 +36,70 @@ def test_a_lora_run_leaves_a_peft_adapter_with_the_runs_weights(tiny_run, tmp_pa
     transformers.AutoTokenizer.from_pretrained(result["path"])
 
 
+def test_a_lora_result_loads_with_plain_peft_alone_and_gives_the_runs_held_out_loss(tiny_run, tmp_path, monkeypatch):
+    """No trainplan on the loading side: adapter_config.json names the exact base the run loaded, PEFT
+    finds it offline by itself, and the loaded model's held-out loss is the run's; the model card says
+    what was trained, on what, how, and how well."""
+    from pathlib import Path
+
+    from peft import AutoPeftModelForCausalLM
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = cfg_for(tiny_run, tmp_path, "mode=lora", "train.steps=3")
+    record = execute(cfg, quiet=True)[0].to_json()
+    path = Path(record["result"]["path"])
+    base = str((tiny_run[0] / "weights").resolve())
+    assert json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"] == base
+    assert record["result"]["base_model"] == base
+    model = AutoPeftModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    job = setup.prepare(cfg, dist.init())  # the same held-out split and packing
+    again = evaluate.evaluate(
+        model,
+        job.eval.ids,
+        job.eval.labels,
+        micro_batch=cfg.batch.micro_batch_size,
+        max_batches=cfg.train.eval_batches,
+        prec=PRECISIONS[cfg.precision],
+        device=torch.device("cpu"),
+    )
+    assert again["loss"] == pytest.approx(record["eval_after"]["loss"], rel=1e-5)
+    card = (path / "README.md").read_text()
+    assert card.startswith(f'---\nbase_model: "{base}"\nlibrary_name: peft\n')
+    for fact in (
+        f"{record['eval_before']['loss']:.4f} before, {record['eval_after']['loss']:.4f} after",
+        f"`{record['data']['source']}` (fingerprint {record['data']['fingerprint']})",
+        "3 steps, micro-batch 4 x accumulation 1 = global batch 4 of 32 tokens",
+        "LoRA r 8, alpha 16",
+        f"{record['train_seconds']:.1f} s of training steps",
+    ):
+        assert fact in card, (fact, card)
+    assert "More Information Needed" not in card  # PEFT's empty template is gone
+
+
+def test_an_adapter_on_random_weights_names_no_base_and_says_why(tiny_run, tmp_path):
+    root, base = tiny_run  # config.json, model.init = random: the base weights exist nowhere
+    cfg = C.load(
+        None, [*base, "mode=lora", "train.steps=2", f"train.output_dir={tmp_path}", "train.measure_memory=false"]
+    )
+    record = execute(cfg, quiet=True)[0].to_json()
+    path = tmp_path / "result"
+    assert json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"] is None
+    assert "never saved, so there is no base to load this result onto" in (path / "README.md").read_text()
+    assert record["result"]["loads_with"].startswith("nothing: its base had random weights")
+
+
+def test_the_embedded_defaults_base_is_its_dequantized_directory_which_loads_alone():
+    from trainplan.run import weights
+    from trainplan.spec.model import default_gguf_path
+
+    cfg = C.load(None, [])
+    ref = weights.base_reference(cfg)
+    assert ref == str(weights.gguf_cache(default_gguf_path(), cfg.model.cache_dir).resolve())
+    config = transformers.AutoConfig.from_pretrained(ref)  # a transformers directory, tokenizer beside it
+    assert config.model_type == "llama" and config.num_hidden_layers == 30
+    assert len(transformers.AutoTokenizer.from_pretrained(ref)) == 49152
+
+
 def test_a_full_run_leaves_a_model_that_reproduces_its_held_out_loss(tiny_run, tmp_path):
     cfg = cfg_for(tiny_run, tmp_path, "mode=full", "train.steps=2")
     record = execute(cfg, quiet=True)[0].to_json()

@@ -22,7 +22,7 @@ from trainplan import features
 from trainplan.errors import TrainplanError
 from trainplan.features.activation_offload import engine as offload
 from trainplan.run import callbacks as cb
-from trainplan.run import contract, dist, evaluate, measure, preflight, record, result, step
+from trainplan.run import contract, dist, evaluate, measure, preflight, record, result, step, weights
 from trainplan.run.checkpoint.manager import CheckpointManager
 from trainplan.run.guard import StepGuard
 from trainplan.run.progress import Progress
@@ -57,6 +57,8 @@ def run(
             else:
                 trainer.infer()
         rec = _conclude(trainer, cfg, env, t_start)
+        if rec.result and env.is_main:
+            result.write_card(rec)
         status = "interrupted" if rec.interrupted else "ok"
         return rec, env
     except RuntimeError as e:
@@ -222,7 +224,8 @@ class Trainer:
         rec.final = record.fingerprints(self.model, state, self.job.resolved.batch)
         out = Path(cfg.train.output_dir)
         with self.progress.stage("save", f"the {cfg.mode} result to {out / result.DIRNAME}"), self._meter("save"):
-            rec.result = result.save(self.model, self.job.tokenizer, cfg.mode, out, self.env)
+            base = weights.base_reference(cfg)
+            rec.result = result.save(self.model, self.job.tokenizer, cfg.mode, out, self.env, base_model=base)
 
     def callbacks(
         self, interrupts: Interrupts, ckpt: CheckpointManager, guard: StepGuard, start: int, *, sampled: bool

@@ -99,6 +99,19 @@ def weights_dir(cfg: RunConfig) -> Path | None:
     return model_dir(cfg.model.source)
 
 
+def base_reference(cfg: RunConfig) -> str | None:
+    """Where the exact base weights of a run load from, for whoever loads its result: the Hub id when
+    they are the Hub's (in the local cache), else the directory trainplan loaded them from (for a GGUF,
+    the embedded default among them, its dequantized safetensors directory, with the tokenizer).
+    None for random weights (model.init = "random"): they were never saved."""
+    if not is_pretrained(cfg):
+        return None
+    source = cfg.model.source
+    if _gguf(cfg) is None and hub.looks_like_hub_id(source) and not Path(source).exists():
+        return source
+    return str(weights_dir(cfg).resolve())
+
+
 def as_built(cfg: RunConfig, spec: ModelSpec) -> ModelSpec:
     """`spec` as a pretrained run builds it: from the weights' own config.json, every field of it
     (a preset or config.json without weights: unchanged)."""
