@@ -184,3 +184,9 @@ def test_no_dataclass_has_over_25_fields_but_the_listed():
                 if fields > MAX_FIELDS:
                     wide[node.name] = fields
     assert set(wide) == set(FIELD_EXCEPTIONS), wide
+
+
+def test_no_test_can_hang_the_suite(request):
+    """pytest-timeout bounds every test (pyproject.toml): a hung process fails its test, not CI's 90 minutes."""
+    assert request.config.pluginmanager.hasplugin("timeout")
+    assert 0 < float(request.config.getini("timeout")) <= 1800
