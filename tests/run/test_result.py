@@ -20,6 +20,20 @@ def cfg_for(tiny_run, out, *extra):
     return C.load(None, [*settings, "train.measure_memory=false", *extra])
 
 
+def _held_out(model, cfg) -> dict:
+    """The held-out metric of `model` on the run's own held-out split and packing, as trainplan evaluates."""
+    job = setup.prepare(cfg, dist.init())
+    return evaluate.evaluate(
+        model,
+        job.eval.ids,
+        job.eval.labels,
+        micro_batch=cfg.batch.micro_batch_size,
+        max_batches=cfg.train.eval_batches,
+        prec=PRECISIONS[cfg.precision],
+        device=torch.device("cpu"),
+    )
+
+
 def test_a_lora_run_leaves_a_peft_adapter_with_the_runs_weights(tiny_run, tmp_path):
     from peft import PeftModel
 
@@ -52,16 +66,7 @@ def test_a_lora_result_loads_with_plain_peft_alone_and_gives_the_runs_held_out_l
     assert json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"] == base
     assert record["result"]["base_model"] == base
     model = AutoPeftModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    job = setup.prepare(cfg, dist.init())  # the same held-out split and packing
-    again = evaluate.evaluate(
-        model,
-        job.eval.ids,
-        job.eval.labels,
-        micro_batch=cfg.batch.micro_batch_size,
-        max_batches=cfg.train.eval_batches,
-        prec=PRECISIONS[cfg.precision],
-        device=torch.device("cpu"),
-    )
+    again = _held_out(model, cfg)
     assert again["loss"] == pytest.approx(record["eval_after"]["loss"], rel=1e-5)
     card = (path / "README.md").read_text()
     assert card.startswith(f'---\nbase_model: "{base}"\nlibrary_name: peft\n')
@@ -105,16 +110,7 @@ def test_a_full_run_leaves_a_model_that_reproduces_its_held_out_loss(tiny_run, t
     record = execute(cfg, quiet=True)[0].to_json()
     assert record["result"]["format"] == "transformers"
     model = transformers.AutoModelForCausalLM.from_pretrained(record["result"]["path"], dtype=torch.float32)
-    job = setup.prepare(cfg, dist.init())  # the same held-out split and packing
-    again = evaluate.evaluate(
-        model,
-        job.eval.ids,
-        job.eval.labels,
-        micro_batch=cfg.batch.micro_batch_size,
-        max_batches=cfg.train.eval_batches,
-        prec=PRECISIONS[cfg.precision],
-        device=torch.device("cpu"),
-    )
+    again = _held_out(model, cfg)
     assert again["loss"] == pytest.approx(record["eval_after"]["loss"], rel=1e-6)
     assert again["loss"] < record["eval_before"]["loss"]
 
