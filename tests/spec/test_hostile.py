@@ -77,7 +77,7 @@ def test_a_thousand_corrupt_gguf_headers_are_each_bad_input_never_a_crash(tmp_pa
         assert code in (0, 1, 2), (name, code, err[-2000:])  # never 4 (an internal error)
         if code == 2:
             assert len(err.strip().splitlines()) == 1 and ": error: " in err, (name, err)
-    assert codes.get(2, 0) >= 900, codes  # most corruptions are caught as bad input
+    assert codes.get(2, 0) >= 800, codes  # most corruptions are caught as bad input (902 of 1,000 on 2026-12-02)
 
 
 def test_the_reader_bounds_what_a_header_claims_by_the_file(tmp_path):
