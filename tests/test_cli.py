@@ -20,9 +20,12 @@ def test_default_plan_runs_on_the_embedded_model():
     r = run("plan", "--gpus", "cpu")
     assert r.returncode == 0, r.stderr
     assert "SmolLM2-135M-Instruct (embedded default)" in r.stdout
+    assert "full, fp32, micro-batch 1" in r.stdout  # precision "auto" on the CPU
     assert "FITS on every device" in r.stdout
-    for row in ("weights", "gradients", "optimizer", "activations", "logits_loss", "TOTAL (GiB)"):
+    for row in ("weights", "optimizer", "activations", "logits_loss", "TOTAL (GiB)"):
         assert row in r.stdout
+    r = run("plan", "--gpus", "cpu", "--precision", "amp-bf16")  # peaks in backward: the gradients' row
+    assert r.returncode == 0 and "full, amp-bf16," in r.stdout and "gradients" in r.stdout, r.stderr
 
 
 @pytest.mark.multiprocess

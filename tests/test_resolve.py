@@ -3,6 +3,7 @@
 import pytest
 
 from trainplan import config as C
+from trainplan.errors import ConfigError
 from trainplan.resolve import NotRunnable, require_runnable, resolve
 
 
@@ -83,3 +84,24 @@ def test_plan_train_and_accept_share_one_lora_default():
 
     assert "target_modules" not in DEFAULT_CONFIG.read_text()
     assert C.load(DEFAULT_CONFIG, []).lora.target_modules == C.LoraConfig().target_modules == ["attention"]
+
+
+@pytest.mark.parametrize(
+    "gpus, expected",
+    [
+        ("cpu", "fp32"),  # whatever the CPU's flags: a CPU plan does not depend on the machine
+        ("2xH100-80GB", "amp-bf16"),
+        ("V100-32GB", "amp-fp16"),  # no bf16: fp16 with loss scaling, not a refusal
+        ("H100-80GB,V100-32GB", "amp-fp16"),  # one device without bf16 decides for all
+        ("24GiB", "amp-bf16"),
+    ],
+)
+def test_precision_auto_is_mixed_where_the_gpus_have_it_and_fp32_on_the_cpu(gpus, expected):
+    r = resolve(C.load(None, [f"hardware.gpus='{gpus}'"]))
+    assert C.RunConfig().precision == "auto"
+    assert r.cfg.precision == expected and r.precision.name == expected
+
+
+def test_an_explicit_bf16_on_a_gpu_without_it_is_still_refused():
+    with pytest.raises(ConfigError, match="run.precision: amp-bf16 needs bf16, which V100-32GB lacks"):
+        resolve(C.load(None, ["hardware.gpus='V100-32GB'", "precision='amp-bf16'"]))

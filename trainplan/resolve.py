@@ -7,6 +7,7 @@ calls it before building anything, and `advise` asks it of every candidate it ra
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from trainplan import config as C
@@ -63,10 +64,22 @@ class Resolved:
         return fused_loss_applies(self.spec, enabled=train.fused_loss, mode=self.cfg.mode, tp=self.dims.tp)
 
 
+def auto_precision(devices: list[DeviceSpec]) -> str:
+    """precision = "auto": mixed precision, bf16 where every GPU has it, fp16 with loss scaling where
+    one does not; fp32 where any device is the CPU, whose 16-bit matmuls are no faster and, without
+    AVX512-BF16 or AMX, emulated (about 70x slower than fp32 on an AVX2 core, bench/cpu_bf16.py). The
+    same answer on every machine: a plan for `--gpus cpu` does not depend on the CPU's flags."""
+    if any(not d.is_gpu for d in devices):
+        return "fp32"
+    return "amp-bf16" if all(d.bf16 for d in devices) else "amp-fp16"
+
+
 def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
     """Validate cfg against the model and the devices: the job every command plans or runs."""
     spec = spec or load_model_spec(cfg.model.source)
     devices = parse_devices(cfg.hardware.gpus, cfg.hardware.gpu_mem)
+    if cfg.precision == "auto":
+        cfg = dataclasses.replace(cfg, precision=auto_precision(devices))
     prec = PRECISIONS[cfg.precision]
     no_bf16 = [d.name for d in devices if not d.bf16]
     if prec.needs_bf16 and no_bf16:

@@ -115,3 +115,21 @@ def test_detect_reads_nvidia_smi(tmp_path, monkeypatch):
     assert (h100.name, h100.kind, h100.capacity_bytes) == ("NVIDIA H100 80GB HBM3", "cuda", 81559 * D.MiB)
     assert h100.peak_tflops == D.CATALOG["H100-80GB"].peak_tflops
     assert l40s.capacity_bytes == 46068 * D.MiB and l40s.peak_tflops is None  # unknown card: no nominal figure
+
+
+@pytest.mark.parametrize(
+    "text, bf16, fp16",
+    [
+        ("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n", False, False),  # an AVX2-only core: emulated
+        ("flags\t\t: avx2 avx512f avx512_bf16 avx512_vnni\n", True, False),
+        ("flags\t\t: avx512f avx512_fp16 amx_bf16 amx_tile amx_fp16\n", True, True),
+        ("processor\t: 0\nFeatures\t: fp asimd fphp asimdhp bf16 i8mm\n", True, True),  # Arm
+        ("processor\t: 0\n", False, False),  # says nothing
+    ],
+)
+def test_native_16bit_math_is_read_from_the_cpus_flags(tmp_path, text, bf16, fp16):
+    info = tmp_path / "cpuinfo"
+    info.write_text(text)
+    assert D.cpu_native_16bit("bf16", str(info)) is bf16
+    assert D.cpu_native_16bit("fp16", str(info)) is fp16
+    assert D.cpu_native_16bit("bf16", str(tmp_path / "absent")) is False

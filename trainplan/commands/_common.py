@@ -17,7 +17,11 @@ CONFIG_FLAGS: tuple[tuple[str, str, dict], ...] = (
         {"help": "preset name, HF model dir, config.json or .gguf (default: embedded SmolLM2-135M)"},
     ),
     ("--mode", "mode", {"help": "full | lora | qlora | inference"}),
-    ("--precision", "precision", {"help": "fp32 | amp-bf16 | amp-fp16 | bf16"}),
+    (
+        "--precision",
+        "precision",
+        {"help": "auto (fp32 on the CPU, amp-bf16 or amp-fp16 on GPUs) | fp32 | amp-bf16 | amp-fp16 | bf16"},
+    ),
     ("--gpus", "hardware.gpus", {"help": "devices, e.g. 8xH100-80GB, A100-80GB,RTX4090, 2x24GiB, cpu, auto"}),
     ("--gpu-mem", "hardware.gpu_mem", {"help": "override every GPU's capacity, e.g. 24GiB"}),
     ("--seq", "batch.seq_len", {"type": int, "help": "sequence length (tokens)"}),

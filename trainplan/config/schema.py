@@ -13,7 +13,7 @@ from typing import Any
 from trainplan.errors import ConfigError, nearest
 
 MODES = ("full", "lora", "qlora", "inference")
-PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16")
+PRECISIONS = ("auto", "fp32", "amp-bf16", "amp-fp16", "bf16")
 OPTIMIZERS = ("adamw", "adamw-8bit", "sgd", "sgd-momentum", "adafactor")
 OPTIM_IMPLS = ("auto", "foreach", "fused", "for-loop")
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-grad-op")
@@ -398,7 +398,9 @@ class HardwareConfig:
 @dataclass(kw_only=True)
 class RunConfig:
     mode: str = "full"  # full | lora | qlora | inference
-    precision: str = "amp-bf16"  # fp32 | amp-bf16 | amp-fp16 | bf16 (pure bf16 weights and states)
+    # auto (amp-bf16 on GPUs that have bf16, amp-fp16 on those that do not, fp32 on the CPU) | fp32 | amp-bf16
+    # | amp-fp16 | bf16 (pure bf16 weights and states)
+    precision: str = "auto"
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

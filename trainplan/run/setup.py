@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from trainplan.run import data, dist, guard, measure, preflight, step, weights
 from trainplan.run.checkpoint.manager import checkpoint_root, refuse_foreign
 from trainplan.run.progress import Progress
 from trainplan.run.record import device_label
-from trainplan.spec.devices import parse_devices
+from trainplan.spec.devices import cpu_native_16bit, parse_devices
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,13 @@ def prepare(
     r = resolve(cfg)
     cfg = r.cfg  # as resolved: LoRA target sets expanded to this architecture's module names
     require_runnable(cfg, r.dims, max_positions=r.spec.max_position_embeddings, cuda=env.device.type == "cuda")
+    slow = r.precision.compute_dtype
+    if env.device.type == "cpu" and slow != "fp32" and env.is_main and not cpu_native_16bit(slow):
+        progress.line(
+            f"warning: precision {cfg.precision}: this CPU has no {slow} instructions, so torch emulates its "
+            f'{slow} matmuls (tens of times slower than fp32); precision = "fp32" (or "auto") is faster here',
+            logging.WARNING,
+        )
     # what can fail fast does, before any weights or tokenizer load: where the run writes, the data
     require_writable(cfg.train.output_dir, "train.output_dir")
     if cfg.checkpoint.dir:

@@ -147,6 +147,22 @@ def host_memory_bytes() -> int:
     return total if total is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def cpu_native_16bit(dtype: str, cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes `dtype` ("bf16" or "fp16") matmuls in hardware (x86: AVX512-BF16 /
+    AVX512-FP16 or AMX; Arm: the bf16 / fp16 features), read from Linux's /proc/cpuinfo. Elsewhere,
+    or where the file says nothing: False. Without it torch still computes them, emulated."""
+    wanted = {"bf16": {"avx512_bf16", "amx_bf16", "bf16"}, "fp16": {"avx512_fp16", "amx_fp16", "fphp"}}[dtype]
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return bool(wanted & set(value.split()))
+    except OSError:
+        pass
+    return False
+
+
 def cpu_device() -> DeviceSpec:
     return DeviceSpec(
         name="cpu",
