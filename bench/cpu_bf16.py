@@ -10,22 +10,15 @@ without AVX512-BF16 or AMX, torch emulates bf16 and the ratio is tens of times.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
+from plan_speed import median_time  # bench/ is on the path when a script in it runs
 
 from trainplan.spec.devices import cpu_native_16bit
 
 
 def median_s(fn, repeat: int = 5) -> float:
     fn()  # warm
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(fn, repeat)
 
 
 def matmuls() -> list[tuple[str, str, float]]:
