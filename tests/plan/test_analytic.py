@@ -352,8 +352,9 @@ def test_bf16_on_v100_is_refused_with_the_fix(make_cfg):
     with pytest.raises(
         ConfigError, match=r'run\.precision: amp-bf16 needs bf16, which T4 lacks; use precision = "amp-fp16"'
     ):
-        plan(make_cfg(hardware__gpus="T4"))
+        plan(make_cfg(hardware__gpus="T4", precision="amp-bf16"))
     assert plan(make_cfg(hardware__gpus="T4", precision="amp-fp16")).devices[0].device.name == "T4"
+    assert plan(make_cfg(hardware__gpus="T4", precision="auto")).settings["precision"] == "amp-fp16"
 
 
 def test_lora_target_that_matches_nothing(make_cfg):

@@ -13,7 +13,6 @@ from trainplan.commands.train import execute
 from trainplan.run import checkpoint, dist, evaluate, setup
 from trainplan.run import generate as G
 from trainplan.run.record import RunRecord
-from trainplan.spec.precision import PRECISIONS
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -78,7 +77,7 @@ def held_out_loss(model, cfg, tmp_path) -> float:
         job.eval.labels,
         micro_batch=cfg.batch.micro_batch_size,
         max_batches=cfg.train.eval_batches,
-        prec=PRECISIONS[cfg.precision],
+        prec=job.resolved.precision,
         device=torch.device("cpu"),
     )["loss"]
 

@@ -44,7 +44,9 @@ def tiny_source(tmp_path):
 def qlora_cfg(source, *extra):
     init = "random" if str(source).endswith(".json") else "auto"  # a config.json carries no weights
     return C.load(
-        None, [f"model.source={source}", f"model.init={init}", "mode=qlora", "hardware.gpus=H100-80GB", *extra]
+        None,
+        [f"model.source={source}", f"model.init={init}", "mode=qlora", "hardware.gpus=H100-80GB", "precision=amp-bf16"]
+        + list(extra),
     )
 
 

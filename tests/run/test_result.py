@@ -8,7 +8,6 @@ from trainplan import config as C
 from trainplan.commands.train import execute
 from trainplan.errors import EXIT_STOPPED
 from trainplan.run import checkpoint, dist, evaluate, setup
-from trainplan.spec.precision import PRECISIONS
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -29,7 +28,7 @@ def _held_out(model, cfg) -> dict:
         job.eval.labels,
         micro_batch=cfg.batch.micro_batch_size,
         max_batches=cfg.train.eval_batches,
-        prec=PRECISIONS[cfg.precision],
+        prec=job.resolved.precision,
         device=torch.device("cpu"),
     )
 
