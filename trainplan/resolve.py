@@ -67,7 +67,7 @@ class Resolved:
 def auto_precision(devices: list[DeviceSpec]) -> str:
     """precision = "auto": mixed precision, bf16 where every GPU has it, fp16 with loss scaling where
     one does not; fp32 where any device is the CPU, whose 16-bit matmuls are no faster and, without
-    AVX512-BF16 or AMX, emulated (about 70x slower than fp32 on an AVX2 core, bench/cpu_bf16.py). The
+    AVX512-BF16 or AMX, emulated (48-128x slower than fp32 on an AVX2 core, bench/cpu_bf16.py). The
     same answer on every machine: a plan for `--gpus cpu` does not depend on the CPU's flags."""
     if any(not d.is_gpu for d in devices):
         return "fp32"
