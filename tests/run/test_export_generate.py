@@ -269,3 +269,26 @@ def test_sampling_is_seeded_and_greedy_is_the_default(tiny_run):
 
     assert sample(temperature=1.0, seed=3) == sample(temperature=1.0, seed=3) != sample(temperature=1.0, seed=4)
     assert sample() == direct_greedy(model, tokenizer, ids, 8) != sample(temperature=1.0, seed=3)
+
+
+def test_a_16bit_precision_on_a_cpu_without_its_instructions_warns_and_auto_does_not(tiny_run, tmp_path, monkeypatch):
+    import logging
+
+    from trainplan.run.progress import Progress
+
+    monkeypatch.setattr(setup, "cpu_native_16bit", lambda dtype: False)  # an AVX2-only core
+    for precision, runs_as in (("amp-bf16", "amp-bf16"), ("auto", "fp32")):
+        progress, lines = Progress.off(), []
+        progress.line = lambda text, level=logging.INFO, lines=lines: lines.append((level, text))
+        job = setup.prepare(lora_cfg(tiny_run, tmp_path / precision, f"precision={precision}"), dist.init(), progress)
+        for lock in job.locks:
+            lock.release()
+        assert job.resolved.precision.name == runs_as
+        warned = [text for level, text in lines if level == logging.WARNING]
+        if precision == "auto":
+            assert not warned
+        else:
+            assert warned == [
+                "warning: precision amp-bf16: this CPU has no bf16 instructions, so torch emulates its bf16 "
+                'matmuls (tens of times slower than fp32); precision = "fp32" (or "auto") is faster here'
+            ]
