@@ -76,11 +76,11 @@ def prepare(
     r = resolve(cfg)
     cfg = r.cfg  # as resolved: LoRA target sets expanded to this architecture's module names
     require_runnable(cfg, r.dims, max_positions=r.spec.max_position_embeddings, cuda=env.device.type == "cuda")
-    slow = r.precision.compute_dtype
-    if env.device.type == "cpu" and slow != "fp32" and env.is_main and not cpu_native_16bit(slow):
+    compute = r.precision.compute_dtype
+    if env.device.type == "cpu" and compute != "fp32" and env.is_main and not cpu_native_16bit(compute):
         progress.line(
-            f"warning: precision {cfg.precision}: this CPU has no {slow} instructions, so torch emulates its "
-            f'{slow} matmuls (tens of times slower than fp32); precision = "fp32" (or "auto") is faster here',
+            f"warning: precision {cfg.precision}: this CPU has no {compute} instructions, so torch emulates its "
+            f'{compute} matmuls (tens of times slower than fp32); precision = "fp32" (or "auto") is faster here',
             logging.WARNING,
         )
     # what can fail fast does, before any weights or tokenizer load: where the run writes, the data
