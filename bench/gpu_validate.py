@@ -75,9 +75,11 @@ MATRIX = [
     ("Llama-3.2-1B", "qlora", "amp-bf16", 4, 512, False),
     ("Llama-3.1-8B", "qlora", "amp-bf16", 1, 4096, False),
     # issue 20: checkpointing the first N layers, and the planner's "auto" choice under a budget (the
-    # row records the choice, and whether the measured peak stayed under the budget)
+    # row records the choice, and whether the measured peak stayed under the budget). 80 GiB since the
+    # verdict keeps the full+ac class's allocator reserve: at 70 GiB (run on 2026-12-04: 71.08 GiB
+    # reserved, over the budget) no count reaches FITS
     ("Llama-3.2-3B", "full", "amp-bf16", 4, 2048, 14),
-    ("Llama-3.2-3B", "full", "amp-bf16", 4, 2048, "auto", ('hardware.memory_budget="70GiB"',)),
+    ("Llama-3.2-3B", "full", "amp-bf16", 4, 2048, "auto", ('hardware.memory_budget="80GiB"',)),
     # 8-bit AdamW (bitsandbytes' CUDA kernels, states planned to the byte) and the optimizer step in
     # backward (each gradient freed by its own update).
     ("Llama-3.2-1B", "full", "amp-bf16", 4, 2048, False, ('optim.name="adamw-8bit"',)),

@@ -132,9 +132,10 @@ def test_405b_inference_on_8x80gb_fails_per_device_and_says_what_would_fit(capsy
 
 
 def test_margin_is_kept_free_on_every_device():
-    s, order = advise(*NODE_8B)
+    s, order = advise(*NODE_8B, "--margin", "0.05")
     assert all(d.usable_bytes == int(d.device.capacity_bytes * 0.95) for d in order[0].best.devices)
-    loose, _ = advise(*NODE_8B, "--margin", "0")
+    loose, loose_order = advise(*NODE_8B)  # the default: no margin beyond the verdict's own
+    assert all(d.usable_bytes == d.device.capacity_bytes for d in loose_order[0].best.devices)
     assert sum(o.fits for o in loose.outcomes) >= sum(o.fits for o in s.outcomes)
 
 

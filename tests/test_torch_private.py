@@ -88,6 +88,40 @@ def test_tracker_follows_storage_resize_like_fsdp_does():
     assert torch.UntypedStorage.resize_ is tracker._orig_resize  # restored
 
 
+def _live_bytes(events: list[tuple]) -> tuple[int, int]:
+    """(bytes live at the end, the most live at once) of an allocation stream."""
+    live, total, peak = {}, 0, 0
+    for event in events:
+        if event[0] == "alloc":
+            live[event[1]] = event[2]
+            total += event[2]
+            peak = max(peak, total)
+        elif event[0] == "free":
+            total -= live.pop(event[1])
+    return total, peak
+
+
+def test_the_recorded_allocation_stream_adds_up_to_the_trackers_books():
+    """What plan/allocator.py replays is the tracker's own bookkeeping, in order: every storage the
+    tracker counts, the step's frees and a resize (a new block, then the old one freed)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(model.parameters())
+    tracker = P.StorageTracker()
+    tracker.events = []
+    tracker.track(model, optimizer, [])
+    with tracker:
+        for _ in range(2):
+            model(torch.randn(4, 64)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        resized = torch.empty(256)
+        resized.untyped_storage().resize_(4096)
+        assert _live_bytes(tracker.events) == (tracker.total, tracker.peak_total)
+        del resized
+    assert _live_bytes(tracker.events)[0] == tracker.total
+    assert sum(e[0] == "alloc" for e in tracker.events) > 20  # the step's tensors, not only the model
+
+
 def test_tracker_sees_inside_composite_ops_under_inference_mode():
     logits, target = torch.randn(64, 1000), torch.randint(0, 1000, (64,))
     tracker = P.StorageTracker()

@@ -32,6 +32,7 @@ Known workarounds, each needed by the tracer:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -290,6 +291,11 @@ class StorageTracker(TorchDispatchMode):
         self._params: list[torch.nn.Parameter] = []
         self.phase = ""  # set by the caller at phase boundaries; stamped on each new storage
         self.retagged: list[tuple[int, str, str, str, str]] = []  # (nbytes, born in, retagged in, from, to)
+        # Set to a list to record the allocation stream in order, for plan/allocator.py to replay:
+        # ("alloc", key, nbytes), ("free", key), and the caller's ("phase", name) marks.
+        self.events: list[tuple] | None = None
+        self._event_keys: dict[int, int] = {}  # id(storage) -> its key in `events` (ids are reused)
+        self._serial = itertools.count()
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _add(self, t: torch.Tensor, category: str) -> None:
@@ -316,6 +322,7 @@ class StorageTracker(TorchDispatchMode):
             return
         nbytes = st.nbytes()
         self._live[key] = [category, nbytes, self.phase]
+        self._record(key, nbytes)
         self.totals[category] += nbytes
         self.total += nbytes
         _on_free(st, self, key)
@@ -328,6 +335,19 @@ class StorageTracker(TorchDispatchMode):
         if entry is not None:
             self.totals[entry[0]] -= entry[1]
             self.total -= entry[1]
+            self._record(key, 0)
+
+    def _record(self, key: int, nbytes: int) -> None:
+        """The storage `key` now holds nbytes (0: freed). A resize is a new block, then the old one
+        freed, as the caching allocator serves it."""
+        if self.events is None:
+            return
+        old = self._event_keys.pop(key, None)
+        if nbytes:
+            self._event_keys[key] = new = next(self._serial)
+            self.events.append(("alloc", new, nbytes))
+        if old is not None:
+            self.events.append(("free", old))
 
     def track(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, inputs=()) -> None:
         """Register what exists before the step: parameters, buffers, gradients kept between steps
@@ -412,6 +432,7 @@ class StorageTracker(TorchDispatchMode):
                 tracker._live[id(st)] = entry = ["activations", 0, tracker.phase]
                 _on_free(st, tracker, id(st))
             if entry is not None and entry[1] != st.nbytes():
+                tracker._record(id(st), st.nbytes())
                 delta = st.nbytes() - entry[1]
                 entry[1] += delta
                 tracker.totals[entry[0]] += delta

@@ -425,3 +425,26 @@ def test_trace_explains_its_own_peak(tiny_dir, capsys):
     lines = {line.split(":", 1)[0].strip(): line for line in why[1:]}
     assert {"weights", "gradients", "optimizer", "activations"} <= set(lines)
     assert "traced" in lines["weights"] and "B (fp32)" in lines["weights"]  # the analytic reasoning, kept
+
+
+def test_a_gpu_trace_replays_its_allocations_through_the_caching_allocator(tiny_dir):
+    """On a GPU the traced plan's reserve is the replay's (plan/allocator.py), not a fitted fraction:
+    each measured phase's reserved peak, in both allocator modes, holds at least its tensors, and the
+    ledger's margin says where it comes from."""
+    from trainplan.plan import allocator
+
+    cfg = C.load(None, [f"model.source={tiny_dir / 'tiny.json'}", "hardware.gpus=H100-80GB", "batch.seq_len=32"])
+    result, r = traced.trace(cfg)
+    assert set(result.reserved) == {"default", "expandable_segments"}
+    workspace = cfg.hardware.cublas_workspace_mib << 20
+    for mode, phases in result.reserved.items():
+        assert set(phases) == set(result.phases), mode
+        for phase, reserved in phases.items():
+            assert reserved - workspace >= sum(result.phases[phase].values()), (mode, phase)
+            # every segment (2 MiB, 20 MiB, or a large request rounded to 2 MiB) is a multiple of 2 MiB
+            assert (reserved - workspace) % allocator.SMALL_BUFFER == 0, (mode, phase)
+    ledger = traced.traced_ledger(result, r, analytic.plan(r.cfg, r.spec))
+    d = ledger.devices[0]
+    assert "replayed" in d.reserve_source and d.replayed_reserved
+    replayed = max(result.reserved["default"].values()) - workspace
+    assert d.peak_allocated + d.reserve_bytes == pytest.approx(replayed, abs=1)

@@ -147,6 +147,11 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
     fmt.add_argument("--json", action="store_true", help="JSON (schema trainplan.plan/1, docs/ledger-schema.md)")
     fmt.add_argument("--markdown", action="store_true", help="a Markdown table")
     p.add_argument("--output", "-o", help="write to this file (atomically) instead of stdout")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 on TIGHT too (the tensors fit, but not the verdict's margin: the run may run out of memory)",
+    )
 
 
 def emit(args: argparse.Namespace, text: str) -> None:

@@ -51,6 +51,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def refuse_plan_only(cfg) -> None:
+    """A layout `trainplan train` does not run is refused before anything loads, with plan's reason."""
+    from trainplan.plan.analytic import choose_checkpointing, runnable
+    from trainplan.resolve import resolve
+
+    verdict = runnable(resolve(choose_checkpointing(cfg)[0]))
+    if not verdict["ok"]:
+        raise TrainplanError(f"accept: plan only, `trainplan train` does not run this layout: {verdict['why']}")
+
+
 def run(args: argparse.Namespace) -> int:
     from trainplan.config import load
     from trainplan.run.progress import Progress, duration
@@ -80,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     # the shipped demo config unless one is given; flags and --set override either
     split_positional(args)
     cfg = load(args.config or accept.DEFAULT_CONFIG, args.set, settings_from_args(args))
+    refuse_plan_only(cfg)  # before any model is loaded
     out = Path(args.output_dir)
     require_writable(out, "--output-dir")  # before any run: the reports must have somewhere to go
     with Progress() as progress:

@@ -54,7 +54,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--mode", default="auto", help="auto (full, then LoRA, then QLoRA) | full | lora | qlora | inference"
     )
     p.add_argument("--prefer", default="ladder", help="ranking: ladder (default) | speed | memory | quality")
-    p.add_argument("--margin", type=float, default=0.05, help="fraction of each device's capacity kept free (0.05)")
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=0.0,
+        help="fraction of each device's capacity kept free on top of the verdict's own margin, as "
+        "hardware.safety_margin (0: a row fits where `trainplan plan` says FITS)",
+    )
     p.add_argument("--top", type=int, default=10, help="entries to show (0: all that fit)")
     p.add_argument("--format", default="table", help="table | json")
     p.add_argument("--out", default=None, help="write the chosen configuration as TOML (atomically)")

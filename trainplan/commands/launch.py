@@ -49,9 +49,11 @@ def run(args: argparse.Namespace) -> int:
             "set it to a directory every node shares, e.g. --set train.output_dir=/shared/runs/llama8b",
         )
     ledger = plan(cfg)
-    if not ledger.fits:
+    if ledger.exit_code:
         print(f"trainplan launch: {ledger.verdict()}; nothing written", file=sys.stderr)
         return ledger.exit_code
+    if ledger.state != "FITS":
+        print(f"trainplan launch: warning: {ledger.verdict()}", file=sys.stderr)
     world_size = len(ledger.devices)
     nodes, per_node = launchers.split_nodes(world_size, args.nodes, args.gpus_per_node, cfg.hardware.gpus)
     given = train_args(args)

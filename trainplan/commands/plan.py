@@ -8,7 +8,10 @@ import json
 from trainplan.commands._common import add_config_args, add_output_args, config_from_args, emit
 from trainplan.text import is_terminal
 
-HELP = "per-device memory ledger: will it fit, on each device, and why (exit 0 fits, 1 not, 2 bad input)"
+HELP = (
+    "per-device memory ledger: will it fit, on each device, and why "
+    "(exit 0 FITS or TIGHT, 1 DOES NOT FIT or TIGHT with --strict, 2 bad input)"
+)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -27,4 +30,4 @@ def run(args: argparse.Namespace) -> int:
         emit(args, render_markdown(ledger))
     else:
         emit(args, render_table(ledger, terminal=is_terminal(args.output)))
-    return ledger.exit_code
+    return ledger.exit_code_for(strict=args.strict)

@@ -63,4 +63,4 @@ def run(args: argparse.Namespace) -> int:
                 [body, "", "Analytic vs traced (allocated bytes, per phase):", render_comparison(rows), "", summary]
             ),
         )
-    return ledger.exit_code
+    return ledger.exit_code_for(strict=args.strict)

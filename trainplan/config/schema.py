@@ -385,13 +385,16 @@ class HardwareConfig:
     cuda_context_mib: int = 600  # CUDA context + kernel images, per GPU process
     cublas_workspace_mib: int = 32  # cuBLAS workspace per handle (Hopper default)
     cpu_runtime_mib: int = 512  # python + torch libraries in a CPU process
-    allocator_reserve: float = 0.05  # cached-but-unused allocator memory, fraction of peak allocated
+    # cached-but-unused allocator memory, a fraction of the peak allocated; None: the worst measured for
+    # the workload class (plan/fragmentation.py)
+    allocator_reserve: float | None = None
     safety_margin: float = 0.0  # extra fraction of capacity kept free for the verdict
 
     def __post_init__(self) -> None:
         for name in ("cuda_context_mib", "cublas_workspace_mib", "cpu_runtime_mib"):
             _positive_int("hardware", name, getattr(self, name), minimum=0)
-        _fraction("hardware", "allocator_reserve", self.allocator_reserve)
+        if self.allocator_reserve is not None:
+            _fraction("hardware", "allocator_reserve", self.allocator_reserve)
         _fraction("hardware", "safety_margin", self.safety_margin, top=0.9)
 
 

@@ -233,13 +233,15 @@ def _device_ledger(
 
     device = r.devices[rank]
     band, band_source = accuracy.band(r.spec.model_type, derived=r.spec.derived)
+    reserve, reserve_source = allocator_reserve(r.cfg)
     led = DeviceLedger(
         label=_label(device, rank),
         device=device,
         role=_role(r.dims, rank),
         phases=phases,
         runtime_bytes=runtime,
-        reserve_fraction=0.0 if device.kind == "cpu" else r.cfg.hardware.allocator_reserve,
+        reserve_fraction=0.0 if device.kind == "cpu" else reserve,
+        reserve_source="" if device.kind == "cpu" else reserve_source,
         safety_margin=r.cfg.hardware.safety_margin,
         explain=explain,
         details=details,
@@ -251,11 +253,22 @@ def _device_ledger(
         error_band_source=band_source,
         budget_bytes=r.budget_bytes,
     )
-    _runtime_explain(led, r.cfg)
+    _runtime_explain(led, r.cfg, reserve_source)
     return led
 
 
-def _runtime_explain(led: DeviceLedger, cfg: C.RunConfig) -> None:
+def allocator_reserve(cfg: C.RunConfig) -> tuple[float, str]:
+    """(fraction of the peak allocated that the caching allocator holds beyond the tensors, why):
+    hardware.allocator_reserve when set, else the worst measured for the workload class."""
+    from trainplan.plan import fragmentation
+
+    if cfg.hardware.allocator_reserve is not None:
+        return cfg.hardware.allocator_reserve, "hardware.allocator_reserve"
+    ac = cfg.memory.activation_checkpointing
+    return fragmentation.reserve_fraction(cfg.mode, ac is not False and ac != 0)
+
+
+def _runtime_explain(led: DeviceLedger, cfg: C.RunConfig, reserve_source: str) -> None:
     if led.device.kind == "cpu":
         led.explain["runtime"] = (
             f"python + torch libraries, {cfg.hardware.cpu_runtime_mib} MiB (hardware.cpu_runtime_mib)"
@@ -266,8 +279,8 @@ def _runtime_explain(led: DeviceLedger, cfg: C.RunConfig) -> None:
             f"{cfg.hardware.cublas_workspace_mib} MiB (hardware.*_mib)"
         )
         led.explain["allocator_reserve"] = (
-            f"{cfg.hardware.allocator_reserve:.0%} of peak allocated held by the "
-            "caching allocator (hardware.allocator_reserve)"
+            f"{led.reserve_fraction:.1%} of peak allocated held by the caching allocator beyond the tensors: "
+            f"{reserve_source}"
         )
 
 
@@ -359,10 +372,27 @@ def zero_model_state_bytes(*, params: int, dp: int, stage: int, k: int = 12, low
 
 def plan(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Ledger:
     cfg, note = choose_checkpointing(cfg, spec)
-    ledger = plan_resolved(resolve(cfg, spec))
+    r = resolve(cfg, spec)
+    ledger = plan_resolved(r)
     if note:
         ledger.notes.insert(1, note)
+    ledger.runnable = runnable(r)
     return ledger
+
+
+def runnable(r: Resolved) -> dict:
+    """{"ok", "why"}: whether `trainplan train` runs this job as planned. A plan of a layout the engine
+    does not run still prints (planning hardware you do not have is the point), and says so."""
+    from trainplan.errors import NotRunnable
+    from trainplan.resolve import require_runnable
+
+    try:
+        require_runnable(
+            r.cfg, r.dims, max_positions=r.spec.max_position_embeddings, cuda=all(d.is_gpu for d in r.devices)
+        )
+    except NotRunnable as e:
+        return {"ok": False, "why": str(e), "field": e.field}
+    return {"ok": True, "why": ""}
 
 
 def choose_checkpointing(cfg: C.RunConfig, spec: ModelSpec | None = None) -> tuple[C.RunConfig, str | None]:

@@ -10,7 +10,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from trainplan.spec.devices import DeviceSpec, GiB, format_gib
+from trainplan.spec.devices import DeviceSpec, GiB, gib  # noqa: F401 -- gib: callers take it from here
 
 SCHEMA = "trainplan.plan/1"
 
@@ -53,6 +53,11 @@ class DeviceLedger:
     phases: dict[str, dict[str, int]]
     runtime_bytes: int
     reserve_fraction: float
+    reserve_source: str = ""  # where reserve_fraction comes from (plan/fragmentation.py or the setting)
+    # peak reserved bytes per phase where a replay of the traced stream gave them (plan/allocator.py);
+    # otherwise each phase's total plus reserve_fraction of it
+    replayed_reserved: dict[str, int] = field(default_factory=dict)
+    allocator_mode: str = "default"  # PYTORCH_CUDA_ALLOC_CONF the reserve is planned for ("default": unset)
     safety_margin: float = 0.0
     explain: dict[str, str] = field(default_factory=dict)
     details: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
@@ -134,9 +139,44 @@ class DeviceLedger:
         peak = self.peak_allocated
         return self.usable_bytes - self._total(peak) - self._error_margin(peak)
 
+    def reserved_by_phase(self) -> dict[str, int]:
+        """The caching allocator's peak reserved bytes in each phase (a CPU has no such allocator: allocated)."""
+        return {ph: self.replayed_reserved.get(ph, total + self._reserve(total)) for ph, total in self._totals()}
+
+    def _totals(self):
+        return ((ph, sum(c.values())) for ph, c in self.phases.items())
+
+    @property
+    def need_bytes(self) -> int:
+        """What the device must hold before any margin: the peak allocated plus the runtime."""
+        return self.peak_allocated + self.runtime_bytes
+
+    @property
+    def margin_bytes(self) -> int:
+        """Kept free on top of the need: the plan's accuracy band and the caching allocator's reserve."""
+        return self.error_margin_bytes + self.reserve_bytes
+
+    def margin_json(self) -> dict:
+        return {
+            "total_bytes": self.margin_bytes,
+            "accuracy_bytes": self.error_margin_bytes,
+            "accuracy_fraction": self.error_band,
+            "accuracy_source": self.error_band_source,
+            "allocator_bytes": self.reserve_bytes,
+            "allocator_fraction": self.reserve_fraction,
+            "allocator_source": self.reserve_source,
+        }
+
     @property
     def fits(self) -> bool:
+        """FITS: the headroom covers the margin (plan/verdict.py has the other two states)."""
         return self.headroom_bytes >= 0
+
+    @property
+    def state(self) -> str:
+        from trainplan.plan.verdict import device_state
+
+        return device_state(self)
 
     @property
     def largest_component(self) -> str:
@@ -170,8 +210,13 @@ class DeviceLedger:
             "total_bytes": self.total_bytes,
             "error_band": self.error_band,
             "error_margin_bytes": self.error_margin_bytes,
+            "need_bytes": self.need_bytes,
+            "reserved_bytes": self.reserved_by_phase(),
+            "allocator_mode": self.allocator_mode if self.device.kind != "cpu" else None,
+            "margin": self.margin_json(),
             "headroom_bytes": self.headroom_bytes,
             "fits": self.fits,
+            "state": self.state,
             "largest_component": self.largest_component,
             "explain": self.explain,
             "details": {k: [{"name": n, "bytes": b} for n, b in v] for k, v in self.details.items()},
@@ -186,6 +231,8 @@ class Ledger:
     host: DeviceLedger | None = None
     notes: list[str] = field(default_factory=list)
     source: str = "analytic"
+    # whether `trainplan train` runs this layout as planned (plan/analytic.py `runnable`)
+    runnable: dict = field(default_factory=lambda: {"ok": True, "why": ""})
 
     @property
     def all_ledgers(self) -> list[DeviceLedger]:
@@ -195,41 +242,25 @@ class Ledger:
     def fits(self) -> bool:
         return all(d.fits for d in self.all_ledgers)
 
+    def judge(self):
+        """The verdict (plan/verdict.py): FITS / TIGHT / DOES NOT FIT, its summary and margin."""
+        from trainplan.plan.verdict import verdict
+
+        return verdict(self)
+
+    @property
+    def state(self) -> str:
+        return self.judge().state
+
+    def exit_code_for(self, *, strict: bool = False) -> int:
+        return self.judge().exit_code(strict=strict)
+
     @property
     def exit_code(self) -> int:
-        return RESULT_FITS if self.fits else RESULT_DOES_NOT_FIT
+        return self.exit_code_for()
 
     def verdict(self) -> str:
-        bad, seen = [], set()
-        for d in self.all_ledgers:
-            if not d.fits and d.bill_key() not in seen:
-                seen.add(d.bill_key())
-                bad.append(d)
-        if not bad:
-            tight = min(self.all_ledgers, key=lambda d: d.headroom_bytes)
-            return (
-                f"FITS on every device; least headroom {gib(tight.headroom_bytes)} on {tight.label} "
-                f"({tight.device.name}) at the {tight.peak_phase} peak" + _band_text(tight)
-            )
-        parts = []
-        for d in bad:
-            comp = d.largest_component
-            alike = sum(1 for x in self.devices if x is not d and x.bill_key() == d.bill_key())
-            label = d.label + (f" and {alike} alike" if alike else "")
-            parts.append(
-                f"{label} ({d.device.name}, {d.usable_text}) needs "
-                f"{gib(d.total_bytes)} at the {d.peak_phase} peak, over by {gib(-d.headroom_bytes)}"
-                f"{_band_text(d)}; largest component {comp} {gib(d.components[comp])}"
-            )
-        text = "DOES NOT FIT: " + "; ".join(parts[:3]) + (f"; and {len(parts) - 3} more" if len(parts) > 3 else "")
-        capacity = sum(d.usable_bytes for d in self.devices)
-        needed = sum(d.total_bytes for d in self.devices)
-        if len(self.devices) > 1 and needed <= capacity:
-            text += (
-                f". The devices' combined memory ({gib(capacity)}) would cover the combined bill "
-                f"({gib(needed)}), but memory does not pool across devices: each must hold its own share"
-            )
-        return text
+        return self.judge().summary
 
     def to_json(self) -> dict:
         return {
@@ -239,13 +270,14 @@ class Ledger:
             "settings": self.settings,
             "devices": [d.to_json() for d in self.devices],
             "host": self.host.to_json() if self.host else None,
+            "runnable": self.runnable,
             "verdict": {
-                "fits": self.fits,
-                "summary": self.verdict(),
+                **self.judge().to_json(),
                 "overflows": [
                     {
                         "label": d.label,
                         "device": d.device.name,
+                        "state": d.state,
                         "over_bytes": -d.headroom_bytes,
                         "component": d.largest_component,
                         "phase": d.peak_phase,
@@ -258,17 +290,8 @@ class Ledger:
         }
 
 
-def _band_text(d: DeviceLedger) -> str:
-    if not d.error_band:
-        return ""
-    return f", after a {gib(d.error_margin_bytes)} margin ({d.error_band:.2%} of the peak: {d.error_band_source})"
-
-
-def gib(n: int) -> str:
-    """Human bytes: GiB from 1 GiB up, MiB below."""
-    if abs(n) >= GiB:
-        return format_gib(n)
-    return f"{n / (1 << 20):.1f} MiB"
+def plan_only_text(ledger: Ledger) -> str:
+    return f"PLAN ONLY: `trainplan train` does not run this layout: {ledger.runnable['why']}"
 
 
 def _group(ledger: Ledger) -> list[tuple[str, DeviceLedger]]:
@@ -297,6 +320,13 @@ def _phases(cols: list[tuple[str, DeviceLedger]]) -> list[str]:
     return list(seen)
 
 
+_STATE_CELL = {
+    "FITS": ("fits", "green"),
+    "TIGHT": ("TIGHT", "bold yellow"),
+    "DOES NOT FIT": ("DOES NOT FIT", "bold red"),
+}
+
+
 def render_table(ledger: Ledger, *, terminal: bool = False) -> str:
     """The ledger as text: a table of components per device (identical devices share a column),
     the verdict, and why each component costs what it does. 100 columns wide off a terminal."""
@@ -317,7 +347,7 @@ def render_table(ledger: Ledger, *, terminal: bool = False) -> str:
         t.add_row(
             f"  at {phase}", *(f"{d.phase_total(phase) / GiB:.2f}" if phase in d.phases else "-" for _, d in cols)
         )
-    t.add_row("verdict", *(cell("fits", "green") if d.fits else cell("DOES NOT FIT", "bold red") for _, d in cols))
+    t.add_row("verdict", *(cell(*_STATE_CELL[d.state]) for _, d in cols))
     width = columns(terminal)
     head = (
         f"trainplan plan — {ledger.model['name']} ({ledger.model['params'] / 1e6:,.1f}M params), "
@@ -333,6 +363,8 @@ def render_table(ledger: Ledger, *, terminal: bool = False) -> str:
         if first.components[c] and c in first.explain
     ]
     out = [wrap(head, width=width), "", render(t, terminal=terminal), "", wrap(ledger.verdict(), width=width), ""]
+    if not ledger.runnable["ok"]:
+        out += [wrap(plan_only_text(ledger), width=width), ""]
     out += why
     if ledger.notes:
         out += ["", "Notes:"] + [wrap(f"- {n}", indent="  ", hang="  ", width=width) for n in ledger.notes]
@@ -364,6 +396,8 @@ def render_markdown(ledger: Ledger) -> str:
             + " |"
         )
     out += ["", f"**{ledger.verdict()}**", ""]
+    if not ledger.runnable["ok"]:
+        out += [plan_only_text(ledger), ""]
     first = cols[0][1]
     out += [f"- **{c}**: {first.explain[c]}" for c in COMPONENTS if first.components[c] and c in first.explain]
     if ledger.notes:

@@ -35,6 +35,9 @@ class TraceResult:
     seconds: float
     max_rss_bytes: int
     notes: list[str] = field(default_factory=list)
+    # the allocation stream replayed through the CUDA caching allocator's rules (plan/allocator.py):
+    # allocator mode ("default", "expandable_segments") -> phase of the measured step -> peak reserved bytes
+    reserved: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def peak_phase(self) -> str:
@@ -67,16 +70,19 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
     target = "cuda" if r.devices[0].is_gpu else "cpu"
     fsdp = dims.shards_params
     world = dims.dp if fsdp else 1
+    events: list | None = [] if target == "cuda" else None
     if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
 
         with P.fake_process_group(world):
             mesh = init_device_mesh("cpu", (world,))
             phases, adapter_params, states, shapes, micro_steps = traced_step(
-                r, real=real, target=target, world=world, mesh=mesh
+                r, real=real, target=target, world=world, mesh=mesh, events=events
             )
     else:
-        phases, adapter_params, states, shapes, micro_steps = traced_step(r, real=real, target=target, world=world)
+        phases, adapter_params, states, shapes, micro_steps = traced_step(
+            r, real=real, target=target, world=world, events=events
+        )
 
     lora = cfg.mode == "lora"
     comps = {
@@ -104,6 +110,8 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
             "cross-entropy) and CUDA autocast's op lists may differ"
         )
     rss = measure.max_rss_bytes()
+    workspace = cfg.hardware.cublas_workspace_mib << 20
+    reserved = replay_reserved(events, phases, workspace_bytes=workspace) if events else {}
     return TraceResult(
         phases=comps,
         raw=phases,
@@ -112,7 +120,21 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
         seconds=time.perf_counter() - t0,
         max_rss_bytes=rss,
         notes=notes,
+        reserved=reserved,
     ), r
+
+
+def replay_reserved(events: list, phases, *, workspace_bytes: int) -> dict[str, dict[str, int]]:
+    """Peak reserved bytes per measured phase, for the allocator's default mode and expandable segments.
+    The cuBLAS workspace comes from the same allocator, before the first step's first matmul."""
+    from trainplan.plan.allocator import AllocatorConfig, replay
+
+    stream = [("alloc", "cublas workspace", workspace_bytes), *events] if workspace_bytes else events
+    out = {}
+    for mode, expandable in (("default", False), ("expandable_segments", True)):
+        result = replay(stream, AllocatorConfig(expandable_segments=expandable))
+        out[mode] = {ph: result.phase_peaks[ph][0] for ph in phases if ph in result.phase_peaks}
+    return out
 
 
 def _derive_data_parallel(comps: dict[str, dict[str, int]], rows: dict[str, str], dims, r, shapes) -> None:
@@ -169,13 +191,26 @@ def _why(traced, analytic) -> dict[str, str]:
     return out
 
 
+def _replayed_reserve(device, replayed: dict[str, int], workspace: int) -> None:
+    """The allocator reserve from the replay: its peak reserved over the traced phases, less the cuBLAS
+    workspace (billed under runtime) and the tensors' own peak."""
+    peak = device.peak_allocated
+    reserve = max(0, max(replayed.values()) - workspace - peak)
+    device.reserve_fraction = reserve / peak if peak else 0.0
+    device.reserve_source = "the traced step replayed through the caching allocator's rules (plan/allocator.py)"
+    device.replayed_reserved = {ph: v - workspace for ph, v in replayed.items()}
+
+
 def traced_ledger(result: TraceResult, r: resolve.Resolved, analytic_ledger: Ledger) -> Ledger:
     """The traced bill as a Ledger (runtime and allocator reserve from the analytic settings)."""
     devices = []
+    replayed = result.reserved.get("default", {})
     for proto in analytic_ledger.devices:
         device = dataclasses.replace(  # the traced step is the figure itself: no error band on it
             proto, phases=_whole_run(proto.phases, result.phases), explain={}, details={}, error_band=0.0
         )
+        if replayed and proto.device.kind != "cpu":
+            _replayed_reserve(device, replayed, r.cfg.hardware.cublas_workspace_mib << 20)
         device.explain.update(_why(device, proto))
         devices.append(device)
     return Ledger(

@@ -19,6 +19,8 @@ class PhasePeaks:
         self.measuring = False
 
     def on_phase(self, name: str) -> None:
+        if self.tracker.events is not None:  # the allocator replay's phase marks; the warm-up step's apart
+            self.tracker.events.append(("phase", name if self.measuring else f"warm-up {name}"))
         if self.current is not None and self.measuring:
             snap = self.tracker.peak_by_category()
             old = self.phases.get(self.current)
@@ -45,9 +47,10 @@ def two_steps(r: resolve.Resolved, model, optimizer, micro_batches, tokens: int,
                 step.train_step(model, step.Update(optimizer), micro_batches, settings, token_count=tokens, hooks=hooks)
 
 
-def traced_step(r: resolve.Resolved, *, real: bool, target: str, world: int, mesh=None):
+def traced_step(r: resolve.Resolved, *, real: bool, target: str, world: int, mesh=None, events: list | None = None):
     """Build the model as the engine does, then trace two steps: (phase peaks, adapter bytes,
-    optimizer state bytes, trainable shapes)."""
+    optimizer state bytes, trainable shapes). events: a list to fill with the allocation stream (the
+    model, batch and optimizer state first, then both steps), for plan/allocator.py to replay."""
     import torch
 
     from trainplan import _torch_private as P
@@ -70,6 +73,7 @@ def traced_step(r: resolve.Resolved, *, real: bool, target: str, world: int, mes
             o = cfg.optim
             optimizer = step.build_optimizer(model, o.name, o.implementation, o.lr, o.weight_decay, target)
         tracker = P.StorageTracker(fake)
+        tracker.events = events
         tracker.track(model, optimizer, [t for mb in micro_batches for t in mb.values()])
         tokens = micro_steps * batch.micro_batch_size * (batch.seq_len - 1) * world
         peaks = PhasePeaks(tracker)

@@ -33,6 +33,13 @@ def format_gib(n: float | None, digits: int = 2, *, unit: bool = True) -> str:
     return f"{text} GiB" if unit else text
 
 
+def gib(n: int) -> str:
+    """Human bytes: GiB from 1 GiB up, MiB below."""
+    if abs(n) >= GiB:
+        return format_gib(n)
+    return f"{n / (1 << 20):.1f} MiB"
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeviceSpec:
     name: str
