@@ -23,7 +23,13 @@ def run(args: argparse.Namespace) -> int:
     from trainplan.plan.analytic import plan
     from trainplan.plan.ledger import render_markdown, render_table
 
-    ledger = plan(config_from_args(args))
+    cfg = config_from_args(args)
+    ledger = plan(cfg)
+    if ledger.state != "FITS":
+        from trainplan.advise import nearest
+
+        step = nearest.nearest(cfg)
+        ledger.next_step = {"text": nearest.text(step, cfg), **(step.to_json() if step else {})}
     if args.json:
         emit(args, json.dumps(ledger.to_json(), indent=1))
     elif args.markdown:

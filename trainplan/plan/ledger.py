@@ -233,6 +233,8 @@ class Ledger:
     source: str = "analytic"
     # whether `trainplan train` runs this layout as planned (plan/analytic.py `runnable`)
     runnable: dict = field(default_factory=lambda: {"ok": True, "why": ""})
+    # under TIGHT or DOES NOT FIT, the nearest change that fits (advise/nearest.py): {"text", ...}
+    next_step: dict | None = None
 
     @property
     def all_ledgers(self) -> list[DeviceLedger]:
@@ -271,6 +273,7 @@ class Ledger:
             "devices": [d.to_json() for d in self.devices],
             "host": self.host.to_json() if self.host else None,
             "runnable": self.runnable,
+            "next_step": self.next_step,
             "verdict": {
                 **self.judge().to_json(),
                 "overflows": [
@@ -363,6 +366,8 @@ def render_table(ledger: Ledger, *, terminal: bool = False) -> str:
         if first.components[c] and c in first.explain
     ]
     out = [wrap(head, width=width), "", render(t, terminal=terminal), "", wrap(ledger.verdict(), width=width), ""]
+    if ledger.next_step:
+        out += [wrap(ledger.next_step["text"], width=width), ""]
     if not ledger.runnable["ok"]:
         out += [wrap(plan_only_text(ledger), width=width), ""]
     out += why
@@ -396,6 +401,8 @@ def render_markdown(ledger: Ledger) -> str:
             + " |"
         )
     out += ["", f"**{ledger.verdict()}**", ""]
+    if ledger.next_step:
+        out += [ledger.next_step["text"], ""]
     if not ledger.runnable["ok"]:
         out += [plan_only_text(ledger), ""]
     first = cols[0][1]
