@@ -4,8 +4,8 @@ The memory ladder's rungs, as one or two settings on top of the user's own confi
 first: activation checkpointing, micro-batch 1 (the global batch kept by accumulation), ZeRO-3/FSDP,
 the optimizer's states on the host, 8-bit AdamW, LoRA, then QLoRA. Each candidate is re-planned with the
 same planner and verdict, and must be one `trainplan train` runs. The first that FITS is the answer;
-two settings are tried only when no single one fits. Bounded in time: `trainplan advise` is the
-search that explores further, and the answer names its command line.
+two rungs are tried only when no single one fits, three only when no two do. Bounded in time:
+`trainplan advise` is the search that explores further, and the answer names its command line.
 """
 
 from __future__ import annotations
@@ -108,12 +108,12 @@ def with_settings(cfg: C.RunConfig, settings: dict) -> C.RunConfig:
 
 
 def nearest(cfg: C.RunConfig, *, budget_s: float = TIME_BUDGET_S) -> NextStep | None:
-    """The first rung (one setting, then two) whose re-planned bill FITS and that train runs; None
-    when none does within the time budget."""
+    """The first rung (one, then two, then three together) whose re-planned bill FITS and that train
+    runs; None when none does within the time budget."""
     r = resolve(cfg)
     steps = [s for s in STEPS if s.applies(r)]
     deadline = time.perf_counter() + budget_s
-    for size in (1, 2):
+    for size in (1, 2, 3):
         for combo in combinations(steps, size):
             if time.perf_counter() > deadline:
                 return None
@@ -150,7 +150,7 @@ def text(step: NextStep | None, cfg: C.RunConfig) -> str:
     """The lines printed under the verdict."""
     explore = f"Explore the whole ladder: {advise_command(cfg)}"
     if step is None:
-        return f"Next step: no one or two settings of the memory ladder fit. {explore}"
+        return f"Next step: no one, two or three rungs of the memory ladder fit. {explore}"
     d = min(step.ledger.all_ledgers, key=lambda x: x.headroom_bytes)
     return (
         f"Next step: {' + '.join(step.labels)}: {step.set_flags()} (re-planned: FITS, least headroom "
