@@ -58,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
     nodes, per_node = launchers.split_nodes(world_size, args.nodes, args.gpus_per_node, cfg.hardware.gpus)
     given = train_args(args)
     kinds = {d.device.kind for d in ledger.devices}
+    if args.name:
+        launchers.one_line("--name", args.name)  # before job_name() turns it into a slug
     name = args.name or f"trainplan-{Path(args.config).stem if args.config else 'job'}"
     layout = launchers.Layout(
         nodes=nodes,

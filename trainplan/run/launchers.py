@@ -52,9 +52,39 @@ class Layout:
     image: str | None = None  # container image (TrainJob)
     port: int = RDZV_PORT  # the rendezvous port on the first node
 
+    def __post_init__(self) -> None:
+        """Every string written into a launch file stays on its line: a newline or another control
+        character in a path, a name or a --set value would end a comment (or a command) and start a
+        line that every node runs. The commands quote the rest with shlex (`_train_command`)."""
+        field = "config"
+        for arg in self.train_args:
+            one_line(field, arg)
+            field = arg if arg.startswith("--") else "config"
+        for line in self.header:
+            one_line("the launch file's header (model source or config path)", line)
+        one_line("checkpoint.dir", self.checkpoint_dir)
+        one_line("--name", self.name)
+        if self.image is not None:
+            one_line("--image", self.image)
+
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]")
+
+
+def one_line(field: str, text: str) -> None:
+    """Refuse a string that would not stay on its line of a launch file."""
+    match = _CONTROL.search(text)
+    if match:
+        shown = ascii(text)[:120] + ("..." if len(ascii(text)) > 120 else "")
+        raise ConfigError(
+            field,
+            f"holds a newline or control character ({ascii(match.group())} in {shown})",
+            "a launch file writes it into a shell line, where it would start a command of its own: remove it",
+        )
 
 
 def split_nodes(world_size: int, nodes: int | None, ranks_per_node: int | None, gpus: str) -> tuple[int, int]:
