@@ -368,7 +368,7 @@ def test_out_file_plans_to_the_same_ledger(tmp_path, capsys):
     out = tmp_path / "chosen.toml"
     assert cli.main(["advise", *NODE_8B, "--format", "json", "--out", str(out)]) == 0
     entry = json.loads(capsys.readouterr().out)["entries"][0]
-    assert out.read_text().startswith("# trainplan advise: meta-llama/Llama-3.1-8B on 8 x H100-80GB, rank 1")
+    assert out.read_text().startswith("# trainplan advise: meta-llama/Llama-3.1-8B on 8 x H100-80GB: row 1 of ")
     planned = tmp_path / "plan.json"
     assert cli.main(["plan", str(out), "--json", "--output", str(planned)]) == 0
     ledger = json.loads(planned.read_text())
@@ -378,13 +378,17 @@ def test_out_file_plans_to_the_same_ledger(tmp_path, capsys):
     assert ledger["settings"]["micro_batch_size"] == entry["micro_batch_size"]
 
 
-def test_out_file_skips_what_the_training_engine_does_not_run(tmp_path, capsys):
+def test_rows_train_runs_come_first_and_out_writes_row_1(tmp_path, capsys):
     out = tmp_path / "chosen.toml"
     assert cli.main(["advise", *NODE_70B, "--format", "json", "--out", str(out)]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["entries"][0]["train_refuses"] == "sharded 8-bit AdamW"  # rank 1: bitsandbytes under FSDP
-    rank = doc["out"]["rank"]
-    assert rank > 1 and doc["notes"] == [f"wrote rank {rank}: `trainplan train` does not run sharded 8-bit AdamW yet"]
+    refuses = [e["train_refuses"] for e in doc["entries"]]
+    assert refuses[0] is None and refuses == sorted(refuses, key=bool)  # runnable rows first, then plan-only
+    assert doc["out"]["row"] == 1 and doc["notes"] == []
+    assert out.read_text().splitlines()[0].endswith(f"row 1 of {doc['fit']} (prefer ladder)")
+    # the old order, by preference alone, ranks a plan-only row (bitsandbytes under FSDP) first
+    assert cli.main(["advise", *NODE_70B, "--format", "json", "--include-unrunnable"]) == 0
+    assert json.loads(capsys.readouterr().out)["entries"][0]["train_refuses"] == "sharded 8-bit AdamW"
     cfg = C.load(out)
     assert cfg.optim.name == "adamw" and cfg.mode != "qlora" and (cfg.parallel.tp, cfg.parallel.pp) == (1, 1)
     assert cfg.parallel.strategy in ("ddp", "zero1", "zero3")

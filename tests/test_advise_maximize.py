@@ -44,7 +44,7 @@ def test_each_rungs_longest_seq_fits_and_one_step_more_does_not(capsys, tmp_path
     seqs = [e["seq_len"] for e in doc["entries"]]
     assert seqs == sorted(seqs, reverse=True) and all(s % M.SEQ_STEP == 0 for s in seqs)
     written = C.load(out)
-    assert written.batch.seq_len == seqs[0] and doc["out"]["rank"] == 1
+    assert written.batch.seq_len == seqs[0] and doc["out"]["row"] == 1
     assert fits_at(written, seqs[0]) and not fits_at(written, seqs[0] + M.SEQ_STEP)
     m = maximized("Llama-3.1-8B", "--mode", "lora", "--gpus", gpus)
     assert [x.value for x in m.ranked] == seqs
@@ -115,7 +115,7 @@ def test_the_written_config_passes_trainplan_plan(capsys, tmp_path):
          "--out", str(out)]
     )  # fmt: skip
     text = capsys.readouterr().out
-    assert rc == 0 and f"wrote {out} (rank 1)" in text and "longest seq" in text
+    assert rc == 0 and f"wrote {out} (row 1 of " in text and "longest seq" in text
     assert cli.main(["plan", str(out)]) == 0  # plan's exit code: 0 fits, 1 does not
     assert "FITS" in capsys.readouterr().out
 

@@ -41,10 +41,26 @@ def test_what_the_engine_does_not_run_is_refused_in_one_line(settings, cuda, fie
     assert "\n" not in str(e.value) and str(e.value).startswith(f"{field}: ")
 
 
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "fsdp-grad-op"])
+def test_a_sharding_strategy_on_one_data_parallel_rank_is_refused_as_doing_nothing(strategy):
+    """At data-parallel degree 1 a sharding strategy would run as a single process, and the record would
+    still name it: refused, with the fix, before anything plans."""
+    with pytest.raises(ConfigError) as e:
+        job(**{"parallel.strategy": strategy, "hardware.gpus": "H100-80GB"})
+    assert e.value.field == "parallel.strategy" and "single process" in str(e.value)
+    assert "\n" not in str(e.value)
+    cfg, dims = job(**{"parallel.strategy": "ddp", "hardware.gpus": "H100-80GB"})  # the default: irrelevant
+    assert dims.strategy == "single"
+
+
+def test_fsdp2_on_one_device_stays_for_its_cpu_offload():
+    cfg, dims = job(**{"parallel.strategy": "zero3", "parallel.offload_optimizer": True, "hardware.gpus": "H100-80GB"})
+    assert dims.strategy == "zero3" and dims.dp == 1
+
+
 def test_what_the_engine_runs_passes():
     for settings in (
         {"mode": "qlora", "hardware.gpus": "RTX4090"},  # QLoRA on CUDA
-        {"parallel.strategy": "zero2", "hardware.gpus": "H100-80GB"},  # one device: no ZeRO-2 at all
         {"parallel.strategy": "zero3", "mode": "lora", "hardware.gpus": "4xH100-80GB"},
         {"optim.name": "adamw-8bit", "mode": "inference", "hardware.gpus": "H100-80GB"},  # no optimizer
         {"optim.name": "adamw-8bit", "hardware.gpus": "H100-80GB"},  # bitsandbytes' AdamW8bit

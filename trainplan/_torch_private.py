@@ -241,6 +241,19 @@ def fsdp_offload_policy(model: torch.nn.Module) -> str | None:
     return None
 
 
+def fsdp_reshards_after_forward(model: torch.nn.Module) -> bool | None:
+    """Whether FSDP2 frees the unsharded parameters after each unit's forward (ZeRO-3) or keeps them
+    until backward (ZeRO-2-like, fsdp-grad-op), read from its parameter groups; None when the model is
+    not sharded by FSDP2. The root is left out: FSDP2 may keep the root's parameters either way."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    if not units and not isinstance(model, FSDPModule):
+        return None
+    groups = [g for m in units or [model] for g in m._get_fsdp_state()._fsdp_param_groups]
+    return any(g._reshard_after_forward for g in groups)
+
+
 @contextlib.contextmanager
 def untracked() -> Iterator[None]:
     """Ops run here are invisible to the storage tracker (and every other dispatch mode): for views

@@ -70,6 +70,9 @@ def test_data_parallel_full_finetune_matches_one_process(tiny_run, tmp_path, sin
         f"parallel.strategy={strategy}",
     )
     assert record["hardware"]["world_size"] == 2 and record["batch"]["global"] == 4
+    ran = record["hardware"]["ran"]  # read back from the engine's objects, not the config
+    assert (ran["strategy"], ran["world_size"], ran["trainable_dtypes"]) == (strategy, 2, ["float32"])
+    assert single_full["hardware"]["ran"]["strategy"] == "single"
     assert record["contract"]["passed"], record["contract"]["detail"]
     ours = [s["loss"] for s in record["steps"]]
     ref = [s["loss"] for s in single_full["steps"]]
@@ -101,6 +104,9 @@ def test_lora_and_inference_on_two_ranks(tiny_run, tmp_path, mode, strategy):
     assert record["contract"]["passed"], record["contract"]["detail"]
     if mode == "lora":
         assert record["eval_after"]["loss"] < record["eval_before"]["loss"]
+        ran = record["hardware"]["ran"]
+        assert (ran["strategy"], ran["world_size"]) == (strategy, 2) and ran["lora_modules"] > 0
+        assert ran["trainable_dtypes"] == ["float32"]  # the adapters; the frozen base in the precision's dtype
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])

@@ -23,6 +23,11 @@ def test_offload_on_one_device_runs_fsdp2_alone_and_trains_as_the_plain_run(tiny
     assert plain["hardware"]["fsdp_offload"] is None
     assert offloaded["hardware"]["fsdp_offload"] == "CPUOffloadPolicy"
     assert offloaded["hardware"]["world_size"] == 1 and not dist.is_initialized()  # the one-rank group is gone
+    # what ran, read back from the engine's objects: FSDP2 on a one-rank group, and a plain module
+    ran, plain_ran = offloaded["hardware"]["ran"], plain["hardware"]["ran"]
+    assert (ran["strategy"], ran["world_size"], ran["fsdp_offload"]) == ("zero3", 1, "CPUOffloadPolicy")
+    assert (plain_ran["strategy"], plain_ran["world_size"], plain_ran["fsdp_offload"]) == ("single", 1, None)
+    assert ran["trainable_dtypes"] == plain_ran["trainable_dtypes"] == ["float32"] and ran["lora_modules"] == 0
     ours, ref = ([s["loss"] for s in r["steps"]] for r in (offloaded, plain))
     assert ours == pytest.approx(ref, rel=1e-5)
     assert offloaded["eval_after"]["loss"] == pytest.approx(plain["eval_after"]["loss"], rel=1e-5)

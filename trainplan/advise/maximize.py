@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from trainplan import config as C
 from trainplan.advise.estimate import StepEstimate, estimate
-from trainplan.advise.rank import peak_json, rung_json
+from trainplan.advise.rank import fit_margin, peak_json, rung_json
 from trainplan.advise.search import MAX_MICRO_BATCH, Request, Rung, micro_batches, overflow, peak_fraction, rungs
 from trainplan.errors import ConfigError
 from trainplan.plan.analytic import plan, resolve
@@ -318,7 +318,7 @@ def render_text(m: Maximized, doc: dict, *, terminal: bool = False) -> str:
         ),
         wrap(
             f"searched {doc['rungs']} rungs: {doc['evaluated']:,} plans in {doc['seconds']:.2f} s; "
-            f"{doc['fit']} fit every device with a {doc['request']['margin']:.0%} margin",
+            f"{doc['fit']} FIT every device{fit_margin(doc['request']['margin'])}",
             width=width,
         ),
         "",
@@ -346,15 +346,15 @@ def render_text(m: Maximized, doc: dict, *, terminal: bool = False) -> str:
     out += ["", wrap(doc["estimate_note"], width=width)]
     out += [wrap("note: " + n, width=width) for n in doc["notes"]]
     if doc["out"]:
-        out.append(wrap(f"wrote {doc['out']['path']} (rank {doc['out']['rank']}); run it: {doc['out']['run']}"))
+        out.append(wrap(f"wrote {doc['out']['path']} (row 1 of {doc['out']['of']}); run it: {doc['out']['run']}"))
     return "\n".join(out)
 
 
-def out_toml(m: Maximized, x: Longest, rank: int, launch: str, weights_note: list[str]) -> str:
+def out_toml(m: Maximized, x: Longest, row: int, of: int, launch: str, weights_note: list[str]) -> str:
     """The entry's config as TOML, with comment lines saying how it was found and how to run it."""
     b = x.config.batch
     header = [
-        f"# trainplan advise --maximize {m.axis}: {m.request.spec.name}, rank {rank}",
+        f"# trainplan advise --maximize {m.axis}: {m.request.spec.name}, row {row} of {of}",
         f"# {x.rung.short()}; seq {b.seq_len}, micro-batch {b.micro_batch_size}, global batch {b.global_batch_size}",
         f"# the largest {unit(m)} that fits every device; {limit_text(m, x)}",
         f"# run: {launch}",

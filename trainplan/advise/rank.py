@@ -25,10 +25,25 @@ from trainplan.spec.parallel import ParallelDims
 SCHEMA = "trainplan.advise/1"
 
 
-def ranked(s: Search, prefer: str) -> list[Outcome]:
-    """Configurations that fit, best first. The ladder order is the default; speed sorts by the
-    estimated step time, memory by the fullest device at micro-batch 1, quality by the settings that
-    change the result (mode, LoRA coverage and rank, precision, optimizer), then speed."""
+def fit_margin(margin: float) -> str:
+    """How a row's fit was judged: the verdict's own margin, and any further fraction kept free."""
+    extra = f" and {margin:.0%} of capacity kept free (--margin)" if margin else ""
+    return f" (the verdict's margin: accuracy band + allocator reserve{extra})"
+
+
+def ranked(s: Search, prefer: str, *, include_unrunnable: bool = False) -> list[Outcome]:
+    """Configurations that fit, best first: those `trainplan train` runs, then the plan-only ones (each
+    shown with what train refuses), unless include_unrunnable ranks every one by the preference alone.
+    The ladder order is the default; speed sorts by the estimated step time, memory by the fullest
+    device at micro-batch 1, quality by the settings that change the result (mode, LoRA coverage and
+    rank, precision, optimizer), then speed."""
+    order = _by_preference(s, prefer)
+    if include_unrunnable:
+        return order
+    return sorted(order, key=lambda o: bool(train_blocker(s, o)))  # stable: each group keeps its order
+
+
+def _by_preference(s: Search, prefer: str) -> list[Outcome]:
     fitting = [o for o in s.outcomes if o.fits]  # ladder order
 
     def seconds(o: Outcome) -> float:
@@ -214,12 +229,13 @@ def launch_command(world: int, path: str) -> str:
     return f"torchrun --nproc_per_node {world} -m trainplan train {path}" if world > 1 else f"trainplan train {path}"
 
 
-def out_toml(s: Search, o: Outcome, rank: int, prefer: str, path: str) -> str:
+def out_toml(s: Search, o: Outcome, row: int, of: int, prefer: str, path: str) -> str:
+    """The TOML `--out` writes: row `row` of the `of` rows advise lists, with how it was chosen."""
     m, _, _ = shown(s, o, prefer)
     cfg = o.rung.config(s.request.base, m, s.request.global_batch)
     launch = launch_command(len(s.devices), path)
     header = [
-        f"# trainplan advise: {s.request.spec.name} on {devices_text(s)}, rank {rank} (prefer {prefer})",
+        f"# trainplan advise: {s.request.spec.name} on {devices_text(s)}: row {row} of {of} (prefer {prefer})",
         f"# {o.rung.short()}; micro-batch {m}, global batch {s.request.global_batch}",
         f"# why: {why(o, s, show_micro=prefer != 'memory')}",
         f"# run: {launch}",
@@ -251,7 +267,7 @@ def render_text(s: Search, doc: dict, args: argparse.Namespace, *, terminal: boo
         ),
         wrap(
             f"searched {doc['rungs']} rungs: {doc['evaluated']:,} candidate configurations planned in "
-            f"{doc['seconds']:.2f} s; {doc['fit']} fit every device with a {args.margin:.0%} margin",
+            f"{doc['seconds']:.2f} s; {doc['fit']} FIT every device{fit_margin(args.margin)}",
             width=width,
         ),
         "",
@@ -267,7 +283,7 @@ def render_text(s: Search, doc: dict, args: argparse.Namespace, *, terminal: boo
     paragraphs += ["note: " + n for n in doc["notes"]]
     if doc["out"]:
         paragraphs.append(
-            f"wrote {args.out} (rank {doc['out']['rank']}); run it: {launch_command(len(s.devices), args.out)}"
+            f"wrote {args.out} (row 1 of {doc['out']['of']}); run it: {launch_command(len(s.devices), args.out)}"
         )
     out += [wrap(p, width=width) for p in paragraphs]
     return "\n".join(out)

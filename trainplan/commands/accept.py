@@ -51,11 +51,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def refuse_plan_only(cfg) -> None:
-    """A layout `trainplan train` does not run is refused before anything loads, with plan's reason."""
+def refuse_plan_only(cfg, nproc: int) -> None:
+    """A layout `trainplan train` does not run is refused before anything loads, with plan's reason.
+    Checked on the devices the run will have, as train names them (run/record.py `device_label`)."""
+    import dataclasses
+
     from trainplan.plan.analytic import choose_checkpointing, runnable
     from trainplan.resolve import resolve
+    from trainplan.spec.devices import GiB, parse_devices
 
+    if cfg.hardware.gpus in ("auto", "", "cpu"):
+        first = parse_devices(cfg.hardware.gpus or "auto", cfg.hardware.gpu_mem)[0]
+        one = f"{first.capacity_bytes / GiB:.0f}GiB" if first.is_gpu else "cpu"
+        gpus = one if nproc == 1 else f"{nproc}x{one}"
+        cfg = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, gpus=gpus))
     verdict = runnable(resolve(choose_checkpointing(cfg)[0]))
     if not verdict["ok"]:
         raise TrainplanError(f"accept: plan only, `trainplan train` does not run this layout: {verdict['why']}")
@@ -90,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     # the shipped demo config unless one is given; flags and --set override either
     split_positional(args)
     cfg = load(args.config or accept.DEFAULT_CONFIG, args.set, settings_from_args(args))
-    refuse_plan_only(cfg)  # before any model is loaded
+    refuse_plan_only(cfg, args.nproc)  # before any model is loaded
     out = Path(args.output_dir)
     require_writable(out, "--output-dir")  # before any run: the reports must have somewhere to go
     with Progress() as progress:

@@ -62,6 +62,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "hardware.safety_margin (0: a row fits where `trainplan plan` says FITS)",
     )
     p.add_argument("--top", type=int, default=10, help="entries to show (0: all that fit)")
+    p.add_argument(
+        "--include-unrunnable",
+        action="store_true",
+        help="rank the plan-only rows (layouts `trainplan train` does not run) with the others by the "
+        "preference alone; by default they come after every row train runs",
+    )
     p.add_argument("--format", default="table", help="table | json")
     p.add_argument("--out", default=None, help="write the chosen configuration as TOML (atomically)")
     p.add_argument("--data", default=None, help="training data for --out: .txt/.jsonl file or directory (data.source)")
@@ -176,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         return run_maximize(args)
     req = request_from_args(args)
     s = search(req)
-    order = ranked(s, args.prefer)
+    order = ranked(s, args.prefer, include_unrunnable=args.include_unrunnable)
     top = order if args.top == 0 else order[: args.top]
     entries = [entry_json(s, o, i + 1, args.prefer) for i, o in enumerate(top)]
     doc = {
@@ -206,15 +212,12 @@ def run(args: argparse.Namespace) -> int:
         doc["nothing_fits"] = {"reason": reason, "needs": options, "evaluated": spent}
         if args.out:
             notes.append(f"nothing fits: {args.out} not written")
-    elif args.out:
-        chosen = next((i for i, o in enumerate(order) if not train_blocker(s, o)), 0)
-        write_atomic(args.out, out_toml(s, order[chosen], chosen + 1, args.prefer, args.out))
-        doc["out"] = {"path": str(Path(args.out)), "rank": chosen + 1}
+    elif args.out:  # row 1 of what is shown
+        write_atomic(args.out, out_toml(s, order[0], 1, len(order), args.prefer, args.out))
+        doc["out"] = {"path": str(Path(args.out)), "row": 1, "of": len(order)}
         blocker = train_blocker(s, order[0])
-        if chosen:
-            notes.append(f"wrote rank {chosen + 1}: `trainplan train` does not run {blocker} yet")
-        elif blocker:
-            notes.append(f"every entry needs something `trainplan train` does not run yet: {blocker}")
+        if blocker:
+            notes.append(f"wrote row 1, which `trainplan train` does not run yet: {blocker}")
     doc["notes"] = notes
     if args.format == "json":
         print(json.dumps(doc, indent=1))
@@ -249,6 +252,10 @@ def run_maximize(args: argparse.Namespace) -> int:
     if args.global_batch is None:  # one micro-batch per device, as the plain search's default
         req.global_batch *= micro
     m = maximize.maximize(req, args.maximize, micro_batch=micro, fixed_global_batch=args.global_batch is not None)
+    limit = req.spec.max_position_embeddings
+    blockers = {id(x): rung_blocker(x.config, x.rung, limit, m.devices) for x in m.ranked}
+    if not args.include_unrunnable:  # the rows train runs first, each group in its order
+        m.ranked.sort(key=lambda x: bool(blockers[id(x)]))
     top = m.ranked if args.top == 0 else m.ranked[: args.top]
     doc = {
         "schema": maximize.SCHEMA,
@@ -273,18 +280,13 @@ def run_maximize(args: argparse.Namespace) -> int:
         "out": None,
     }
     notes = []
-    if m.ranked and args.out:
-        spec = req.spec
-        blockers = [rung_blocker(x.config, x.rung, spec.max_position_embeddings, m.devices) for x in m.ranked]
-        chosen = next((i for i, b in enumerate(blockers) if not b), 0)
+    if m.ranked and args.out:  # row 1 of what is shown
         launch = launch_command(len(m.devices), args.out)
-        x = m.ranked[chosen]
-        write_atomic(args.out, maximize.out_toml(m, x, chosen + 1, launch, weights_note(x.config)))
-        doc["out"] = {"path": str(Path(args.out)), "rank": chosen + 1, "run": launch}
-        if chosen:
-            notes.append(f"wrote rank {chosen + 1}: `trainplan train` does not run {blockers[0]} yet")
-        elif blockers[0]:
-            notes.append(f"every entry needs something `trainplan train` does not run yet: {blockers[0]}")
+        x = m.ranked[0]
+        write_atomic(args.out, maximize.out_toml(m, x, 1, len(m.ranked), launch, weights_note(x.config)))
+        doc["out"] = {"path": str(Path(args.out)), "row": 1, "of": len(m.ranked), "run": launch}
+        if blockers[id(x)]:
+            notes.append(f"wrote row 1, which `trainplan train` does not run yet: {blockers[id(x)]}")
     elif args.out:
         notes.append(f"nothing fits: {args.out} not written")
     doc["notes"] = notes

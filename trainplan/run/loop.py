@@ -137,6 +137,7 @@ class Trainer:
             max_grad_norm=job.cfg.train.max_grad_norm,
             grad_scale=float(job.env.world),
         )
+        self.record.hardware["ran"] = record.as_run(self.model, None, self.settings.prec.compute_dtype)
 
     def _meter(self, phase: str):
         """A PhaseMeter that records its peak under `phase` (no-op unless memory is measured)."""
@@ -197,6 +198,7 @@ class Trainer:
         """The loop: a step, then what the callbacks (run/callbacks.py) do around it, until the last step."""
         cfg, rec = self.job.cfg, self.record
         state = self.state = train_state(self.job, self.model)
+        rec.hardware["ran"] = record.as_run(self.model, state.optimizer, self.settings.prec.compute_dtype)
         ckpt = CheckpointManager(self.job.resolved, self.env, self.model)
         rec.resume = ckpt.maybe_resume(state, self.model)
         fixed = [state.sampler.take(self.job.resolved.batch.micro_batch_size) for _ in range(cfg.train.overfit_batches)]

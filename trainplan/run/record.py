@@ -187,6 +187,38 @@ def header(job) -> RunRecord:
     )
 
 
+def as_run(model: torch.nn.Module, optimizer, compute_dtype: str) -> dict:
+    """The layout and features the engine runs, read back from its own objects, not copied from the
+    config: the process group's world, the wrapper (FSDP2, DDP, DDP with ZeroRedundancyOptimizer, or
+    none), the dtypes the parameters hold, and the modules LoRA, QLoRA and checkpointing left."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    reshards = _torch_private.fsdp_reshards_after_forward(model)
+    if reshards is not None:
+        strategy = "zero3" if reshards else "fsdp-grad-op"
+    elif isinstance(model, DistributedDataParallel):
+        strategy = "zero1" if hasattr(optimizer, "consolidate_state_dict") else "ddp"  # ZeroRedundancyOptimizer
+    else:
+        strategy = "single"
+    base = getattr(model, "module", model)
+    params = list(base.parameters())
+
+    def dtypes(trainable: bool) -> list[str]:
+        return sorted({str(p.dtype).removeprefix("torch.") for p in params if p.requires_grad is trainable})
+
+    return {
+        "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
+        "strategy": strategy,
+        "fsdp_offload": _torch_private.fsdp_offload_policy(model),
+        "compute_dtype": compute_dtype,
+        "trainable_dtypes": dtypes(True),
+        "frozen_dtypes": dtypes(False),
+        "lora_modules": sum(1 for name, _ in base.named_modules() if name.endswith(".lora_A")),
+        "quantized_4bit_modules": sum(1 for m in base.modules() if type(m).__name__ == "Linear4bit"),
+        "checkpointed_layers": sum(1 for m in base.modules() if getattr(m, "gradient_checkpointing", None) is True),
+    }
+
+
 def state_hashes(model, optimizer) -> dict:
     """Hashes of the whole trainable weights and optimizer state, independent of the sharding."""
     base = getattr(model, "module", model)
