@@ -1,7 +1,7 @@
 """Fit the analytic plan's allocator reserve per workload class from measured GPU runs.
 
 Run: .venv/bin/python bench/fit_reserve.py docs/data/gpu-validate-h200-2026-12-04*.json \
-        --out trainplan/plan/fragmentation.json
+        --replays docs/data/reserved-replay-h200-2026-12-04.json --out trainplan/plan/fragmentation.json
 
 The CUDA caching allocator reserves more than the tensors hold: blocks cached after a free, split
 remainders, segments rounded up (c10/cuda/CUDACachingAllocator.cpp). A row's fragmentation is
@@ -10,6 +10,11 @@ so the plan's own error (the accuracy band) is not in it. A class's factor is th
 class: the verdict keeps that much free before it says FITS. Rows that offload to the host are left
 out (their device allocations are not the plan's classes); so are rows under 2 GiB allocated, where
 the 2 MiB and 20 MiB segment granularity, not the workload, sets the ratio.
+
+Expandable segments (the engine's default, memory.expandable_segments) have no GPU measurement yet:
+their factors come from the same rows' traces replayed through plan/allocator.py in that mode
+(bench/reserved_replay.py --out), (replayed reserved - the cuBLAS workspaces) / traced peak - 1, and
+the source says so. The next lent GPU measures the mode (bench/gpu_validate.py's pairs).
 """
 
 from __future__ import annotations
@@ -52,6 +57,39 @@ def rows_of(paths: list[Path]) -> list[dict]:
     return rows
 
 
+def replay_rows(path: Path) -> list[dict]:
+    """The expandable-segments replay of each row, as rows_of's rows (offload rows left out as above)."""
+    workspace = 64 << 20  # hardware.cublas_workspace_mib: in the replayed figure, billed as runtime
+    data = json.loads(path.read_text())
+    rows = []
+    for row in data["rows"]:
+        if any(s in row["name"] for s in HOST_SETTINGS) or row["measured_allocated_bytes"] < MIN_ALLOCATED:
+            continue
+        mode, ac = _class_of(row["name"])
+        reserve = row["replay_expandable_reserved_bytes"] - workspace
+        rows.append(
+            {
+                "name": row["name"],
+                "class": workload_class(mode, ac),
+                "fragmentation": max(0.0, reserve / row["traced_peak_bytes"] - 1),
+            }
+        )
+    return rows
+
+
+def replay_miss(path: Path) -> float:
+    """The replay's worst under-prediction of measured reserved memory (default mode), offload rows
+    left out: what a replayed figure may still lack."""
+    rows = json.loads(path.read_text())["rows"]
+    return max(0.0, *(-r["replay_vs_measured"] for r in rows if not any(s in r["name"] for s in HOST_SETTINGS)))
+
+
+def _class_of(name: str) -> tuple[str, bool]:
+    """(mode, checkpointing) from a gpu_validate row name: 'Llama-3.2-1B lora amp-bf16 mb4 s512 AC ...'."""
+    words = name.split()
+    return words[1], "AC" in words
+
+
 def fit(rows: list[dict]) -> dict[str, dict]:
     classes: dict[str, dict] = {}
     for row in rows:
@@ -67,6 +105,7 @@ def fit(rows: list[dict]) -> dict[str, dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path, help="gpu_validate JSON files")
+    ap.add_argument("--replays", type=Path, help="bench/reserved_replay.py's JSON: the expandable-segments factors")
     ap.add_argument("--out", type=Path, help="write the factors here (trainplan/plan/fragmentation.json)")
     args = ap.parse_args()
     rows = rows_of(args.runs)
@@ -83,10 +122,27 @@ def main() -> int:
         torch_versions = sorted({r["torch"] for r in rows})
         sources = sorted({r["source"] for r in rows})
         doc = {
-            "source": f"bench/fit_reserve.py over {', '.join(sources)} (torch {', '.join(torch_versions)}, "
-            "default allocator: expandable_segments off)",
-            "classes": classes,
+            "default": {
+                "source": f"bench/fit_reserve.py over {', '.join(sources)}: max_memory_reserved measured on a GPU "
+                f"(torch {', '.join(torch_versions)}, default allocator: expandable_segments off)",
+                "classes": classes,
+            }
         }
+        if args.replays:
+            replayed = replay_rows(args.replays)
+            for row in sorted(replayed, key=lambda r: (r["class"], -r["fragmentation"])):
+                print(f"expandable {row['class']:<14} {row['fragmentation']:+7.1%}  {row['name']}")
+            miss = replay_miss(args.replays)
+            classes = fit(replayed)
+            for c in classes.values():  # the replay's own worst under-prediction of a measured row, on top
+                c["factor"] = math.ceil((c["factor"] + miss) * 1e3) / 1e3
+                c["replay_miss"] = miss
+            doc["expandable_segments"] = {
+                "source": f"bench/fit_reserve.py over {args.replays.name}: traces replayed through "
+                f"plan/allocator.py with expandable_segments, plus the replay's worst under-prediction of a "
+                f"measured row ({miss:.1%}); not yet measured on a GPU",
+                "classes": classes,
+            }
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"-> {args.out}")
     return 0

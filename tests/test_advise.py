@@ -2,6 +2,7 @@
 
 import functools
 import json
+import re
 import sqlite3
 import subprocess
 import sys
@@ -76,7 +77,10 @@ def test_8b_on_8x80gb_is_full_finetuning_with_zero2_or_zero3():
     # the why line names the rung below, the device and the overflow the ledger shows
     below = step_back(s, top, {"zero2": "ZeRO-2", "zero3": "ZeRO-3/FSDP"}[top.rung.strategy])
     failed = replanned(s, below, 1)
-    assert not failed.fits
+    if failed.fits:  # ZeRO-2 fits, but train does not run it: the ZeRO-3 that runs leads, and says so
+        assert top.rung.strategy == "zero3" and rank.train_blocker(s, below) == "ZeRO-2"
+        assert "not needed for memory: ZeRO-2 fits too" in why(top, s)
+        return
     gpu0 = failed.devices[0]
     assert f"exceeds GPU 0 by {gib(-gpu0.headroom_bytes)} (largest: {gpu0.largest_component}" in why(top, s)
 
@@ -339,7 +343,7 @@ def test_table_states_the_estimate_and_reasons(capsys):
     out = " ".join(capsys.readouterr().out.split())  # the text wraps at 100 columns
     assert "candidate configurations planned in" in out
     assert "step time is an estimate (MFU 40.0% on H100-80GB, assumed" in out
-    assert "ZeRO-3/FSDP needed: ZeRO-2 exceeds GPU 0 by" in out or "ZeRO-2 needed: ZeRO-1 exceeds GPU 0 by" in out
+    assert re.search(r"(ZeRO-[123]|ZeRO-3/FSDP) needed: (DDP|ZeRO-[12]) exceeds GPU \d by", out), out
     assert "... and" in out
 
 

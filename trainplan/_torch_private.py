@@ -254,6 +254,13 @@ def fsdp_reshards_after_forward(model: torch.nn.Module) -> bool | None:
     return any(g._reshard_after_forward for g in groups)
 
 
+def set_expandable_segments(on: bool) -> None:
+    """Switch the CUDA caching allocator's expandable segments within a process (bench/gpu_validate.py
+    runs both modes in one), as PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True|False does at start.
+    Takes effect for segments created from here on: empty the cache first."""
+    torch.cuda.memory._set_allocator_settings(f"expandable_segments:{on}")
+
+
 @contextlib.contextmanager
 def untracked() -> Iterator[None]:
     """Ops run here are invisible to the storage tracker (and every other dispatch mode): for views

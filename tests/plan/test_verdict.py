@@ -61,7 +61,7 @@ def test_the_three_states_at_their_boundaries(bill, offset, state, code, strict_
 
 def test_the_margin_is_the_accuracy_band_plus_the_allocator_reserve(bill):
     d = at_capacity(80 << 30).devices[0]
-    fraction, source = fragmentation.reserve_fraction("lora", False)
+    fraction, source = fragmentation.reserve_fraction("lora", False, expandable=True)  # the default mode
     assert d.reserve_fraction == fraction and d.reserve_source == source
     assert d.margin_bytes == d.error_margin_bytes + int(fraction * d.peak_allocated)
     assert d.headroom_bytes == d.usable_bytes - d.need_bytes - d.margin_bytes
@@ -73,16 +73,16 @@ def test_the_margin_is_the_accuracy_band_plus_the_allocator_reserve(bill):
 def test_a_measured_class_keeps_its_own_reserve_and_the_setting_overrides_it():
     full = at_capacity(80 << 30, mode="full").devices[0]
     lora = at_capacity(80 << 30).devices[0]
-    assert full.reserve_fraction == fragmentation.reserve_fraction("full", False)[0]
+    assert full.reserve_fraction == fragmentation.reserve_fraction("full", False, expandable=True)[0]
     assert full.reserve_fraction > lora.reserve_fraction  # full fine-tuning fragments more (H200 rows)
     fixed = at_capacity(80 << 30, **{"hardware.allocator_reserve": 0.01}).devices[0]
     assert fixed.reserve_fraction == 0.01 and fixed.reserve_source == "hardware.allocator_reserve"
 
 
 def test_an_unmeasured_class_gets_the_widest_factor(monkeypatch):
-    monkeypatch.setattr(fragmentation, "_factors", lambda: ({"lora": 0.02, "full": 0.3}, "test"))
+    monkeypatch.setattr(fragmentation, "_factors", lambda expandable=False: ({"lora": 0.02, "full": 0.3}, "test"))
     fraction, why = fragmentation.reserve_fraction("inference", False)
-    assert (fraction, why) == (0.3, "no inference rows measured: the widest class measured (test)")
+    assert (fraction, why) == (0.3, "no inference rows: the widest class (test)")
     assert fragmentation.reserve_fraction("qlora", True)[0] == 0.3  # lora+ac: not measured here
     assert fragmentation.reserve_fraction("qlora", False)[0] == 0.02
 

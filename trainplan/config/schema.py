@@ -351,9 +351,19 @@ class MemoryConfig:
     # the saved tensors of the layers not checkpointed go to host memory in forward and come back for
     # backward: false | true | "pinned" (page-locked host buffers: faster copies, rounded up by the allocator)
     offload_activations: bool | str = False
+    # the CUDA caching allocator maps pages into one growing range per pool (PYTORCH_CUDA_ALLOC_CONF=
+    # expandable_segments:True), so freed blocks merge whatever their order: train sets it unless the
+    # variable is already set, and the plan's allocator reserve follows this setting
+    expandable_segments: bool = True
 
     def __post_init__(self) -> None:
         _choice("memory", "attention", self.attention, ATTENTIONS)
+        if not isinstance(self.expandable_segments, bool):
+            raise ConfigError(
+                "memory.expandable_segments",
+                f"must be true or false (got {self.expandable_segments!r})",
+                "use true or false",
+            )
         if not (isinstance(self.offload_activations, bool) or self.offload_activations == "pinned"):
             raise ConfigError(
                 "memory.offload_activations",

@@ -242,6 +242,7 @@ def _device_ledger(
         runtime_bytes=runtime,
         reserve_fraction=0.0 if device.kind == "cpu" else reserve,
         reserve_source="" if device.kind == "cpu" else reserve_source,
+        allocator_mode="expandable_segments" if r.cfg.memory.expandable_segments else "default",
         safety_margin=r.cfg.hardware.safety_margin,
         explain=explain,
         details=details,
@@ -265,7 +266,9 @@ def allocator_reserve(cfg: C.RunConfig) -> tuple[float, str]:
     if cfg.hardware.allocator_reserve is not None:
         return cfg.hardware.allocator_reserve, "hardware.allocator_reserve"
     ac = cfg.memory.activation_checkpointing
-    return fragmentation.reserve_fraction(cfg.mode, ac is not False and ac != 0)
+    return fragmentation.reserve_fraction(
+        cfg.mode, ac is not False and ac != 0, expandable=cfg.memory.expandable_segments
+    )
 
 
 def _runtime_explain(led: DeviceLedger, cfg: C.RunConfig, reserve_source: str) -> None:

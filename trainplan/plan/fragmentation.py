@@ -2,9 +2,11 @@
 
 The analytic plan has no event stream to replay through the allocator's rules, so it keeps a
 fraction of its peak for what the CUDA caching allocator reserves beyond the live tensors (cached
-free blocks, split remainders, segment rounding). The fraction is the worst measured on a GPU for the
-same class of workload, written by bench/fit_reserve.py from bench/gpu_validate.py's runs. A class
-that was never measured gets the widest factor measured. `hardware.allocator_reserve` overrides it.
+free blocks, split remainders, segment rounding). Written by bench/fit_reserve.py:
+- default allocator: the worst measured on a GPU for the class (bench/gpu_validate.py's runs);
+- expandable segments: the worst of the same rows' traces replayed through plan/allocator.py in that
+  mode (bench/reserved_replay.py), since no GPU has measured the mode yet; the source says so.
+A class without rows gets the widest factor of its mode. `hardware.allocator_reserve` overrides it.
 Imports no torch.
 """
 
@@ -27,20 +29,21 @@ def workload_class(mode: str, checkpointing: bool) -> str:
 
 
 @functools.cache
-def _factors() -> tuple[dict[str, float], str]:
+def _factors(expandable: bool = False) -> tuple[dict[str, float], str]:
+    key = "expandable_segments" if expandable else "default"
     try:
-        data = json.loads(FACTORS_FILE.read_text())
+        data = json.loads(FACTORS_FILE.read_text())[key]
         return {str(k): float(v["factor"]) for k, v in data["classes"].items()}, str(data["source"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}, ""
 
 
-def reserve_fraction(mode: str, checkpointing: bool) -> tuple[float, str]:
-    """(fraction of the peak allocated, why) for one workload class."""
-    factors, source = _factors()
+def reserve_fraction(mode: str, checkpointing: bool, *, expandable: bool = False) -> tuple[float, str]:
+    """(fraction of the peak allocated, why) for one workload class, in one allocator mode."""
+    factors, source = _factors(expandable)
     cls = workload_class(mode, checkpointing)
     if cls in factors:
-        return factors[cls], f"the worst {cls} row measured ({source})"
+        return factors[cls], f"the worst {cls} row ({source})"
     if factors:
-        return max(factors.values()), f"no {cls} rows measured: the widest class measured ({source})"
+        return max(factors.values()), f"no {cls} rows: the widest class ({source})"
     return FALLBACK, "a flat 5%: no measured factors shipped"

@@ -57,7 +57,9 @@ class DeviceLedger:
     # peak reserved bytes per phase where a replay of the traced stream gave them (plan/allocator.py);
     # otherwise each phase's total plus reserve_fraction of it
     replayed_reserved: dict[str, int] = field(default_factory=dict)
-    allocator_mode: str = "default"  # PYTORCH_CUDA_ALLOC_CONF the reserve is planned for ("default": unset)
+    # the caching allocator's mode the reserve is planned for: "expandable_segments" or "default"
+    # (PYTORCH_CUDA_ALLOC_CONF unset), from memory.expandable_segments
+    allocator_mode: str = "default"
     safety_margin: float = 0.0
     explain: dict[str, str] = field(default_factory=dict)
     details: dict[str, list[tuple[str, int]]] = field(default_factory=dict)

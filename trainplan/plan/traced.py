@@ -204,7 +204,7 @@ def _replayed_reserve(device, replayed: dict[str, int], workspace: int) -> None:
 def traced_ledger(result: TraceResult, r: resolve.Resolved, analytic_ledger: Ledger) -> Ledger:
     """The traced bill as a Ledger (runtime and allocator reserve from the analytic settings)."""
     devices = []
-    replayed = result.reserved.get("default", {})
+    replayed = result.reserved.get("expandable_segments" if r.cfg.memory.expandable_segments else "default", {})
     for proto in analytic_ledger.devices:
         device = dataclasses.replace(  # the traced step is the figure itself: no error band on it
             proto, phases=_whole_run(proto.phases, result.phases), explain={}, details={}, error_band=0.0

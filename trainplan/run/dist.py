@@ -52,6 +52,19 @@ class DistEnv:
         return out
 
 
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def configure_cuda_allocator(expandable_segments: bool) -> str | None:
+    """Set the CUDA caching allocator's mode for this process, as the plan assumed it
+    (memory.expandable_segments), unless the user set PYTORCH_CUDA_ALLOC_CONF: theirs wins, and the
+    record says what ran. Read by torch when CUDA initializes, so it must run before that. Returns the
+    value in force."""
+    if ALLOC_CONF not in os.environ and expandable_segments:
+        os.environ[ALLOC_CONF] = "expandable_segments:True"
+    return os.environ.get(ALLOC_CONF)
+
+
 def backend(device: torch.device, host_tensors: bool = False) -> str:
     """NCCL on CUDA, gloo on the CPU. host_tensors: some collectives run on tensors in host memory
     (FSDP2's CPUOffloadPolicy: gradient clipping's norm, full tensors of the CPU shards), which

@@ -38,6 +38,7 @@ def run(
     quiet: no progress at all. progress: the caller's reporter (accept's, for its runs); by
     default the run has its own, at train.log_every / log_every_s, on the main rank. bill: the
     plan's per-rank needs of a resolved config, checked by every rank's preflight (setup.prepare)."""
+    dist.configure_cuda_allocator(cfg.memory.expandable_segments)  # before anything initializes CUDA
     env = dist.init(cfg.parallel.timeout_s, host_tensors=features.optimizer_offload.on(cfg))
     require(cfg.train.report_to)  # a logger whose package is missing is refused before anything is created
     own = progress is None or quiet or not env.is_main

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,6 +168,8 @@ def header(job) -> RunRecord:
             "world_size": env.world,
             "devices": device_label(env),
             "fsdp_offload": _torch_private.fsdp_offload_policy(job.model),  # as applied; None: not FSDP2
+            # the CUDA caching allocator's settings in force (run/dist.py configure_cuda_allocator)
+            "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") if env.device.type == "cuda" else None,
         },
         seed=cfg.train.seed,
         data={
