@@ -239,10 +239,10 @@ def _file_cases(tmp):
     a_dir = tmp / "a-dir"
     a_dir.mkdir()
     return [
-        (["plan", str(garbage)], r"^a file is not UTF-8 text|^.*garbage.toml: "),
+        (["plan", str(garbage)], r"^config: '.*garbage\.toml' is UTF-16 text; save it as UTF-8"),  # its FF FE
         (["plan", str(bad_toml)], r"invalid TOML"),
         (["plan", str(run_five)], r"^run: must be a table"),
-        (["plan", str(wrong_section)], r"^batch: unknown section or setting"),
+        (["plan", str(wrong_section)], r"^batch: is a section, not a setting"),
         (["plan", str(tmp / "missing.toml")], r"^config: no such file"),
         (["plan", str(a_dir)], r"^model\.source: .*has no config\.json"),  # a directory is a model
         (["plan", str(tmp / "no-such-model")], r"^config: .*neither a TOML file nor a model"),

@@ -53,4 +53,7 @@ def nearest(name: str, choices: list[str] | tuple[str, ...], n: int = 3) -> str:
     hits = difflib.get_close_matches(name.lower(), list(lowered), n=n, cutoff=0.4)
     if hits:
         return "did you mean " + " or ".join(repr(lowered[h]) for h in hits) + "?"
-    return "choose one of " + ", ".join(sorted(choices))
+    if len(choices) <= 5:
+        return "choose one of " + ", ".join(sorted(choices))
+    closest = difflib.get_close_matches(name.lower(), list(lowered), n=5, cutoff=0.0)
+    return f"the closest of {len(choices)} are " + ", ".join(lowered[h] for h in closest)

@@ -62,6 +62,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "hardware.safety_margin (0: a row fits where `trainplan plan` says FITS)",
     )
     p.add_argument("--top", type=int, default=10, help="entries to show (0: all that fit)")
+    for flag in ("--micro-batch", "--grad-accum"):  # plan's flags: advise searches them, so refused with the fix
+        p.add_argument(flag, default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--include-unrunnable",
         action="store_true",
@@ -88,6 +90,13 @@ def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def request_from_args(args: argparse.Namespace) -> Request:
+    for flag in ("--micro-batch", "--grad-accum"):
+        if getattr(args, flag.lstrip("-").replace("-", "_"), None) is not None:
+            raise ConfigError(
+                flag,
+                "advise searches the micro-batch and accumulation that fit",
+                "give the total with --global-batch N (`trainplan plan --micro-batch` plans one you choose)",
+            )
     _choice("--mode", args.mode, MODE_CHOICES)
     _choice("--prefer", args.prefer, PREFERENCES)
     _choice("--format", args.format, ("table", "json"))

@@ -4,6 +4,7 @@ found before one is reported, each naming its field."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import tomllib
 from pathlib import Path
@@ -59,7 +60,18 @@ def from_dict(tree: dict) -> RunConfig:
     sections: dict[str, Any] = {}
     for name, body in tree.items():
         cls = _SECTION_TYPES.get(name)
-        if cls is None or not isinstance(body, dict):
+        if cls is not None and not isinstance(body, dict):
+            example = next(iter(_field_names(cls)), "...")
+            problems.append(
+                ConfigError(name, "is a section, not a setting", f"give its settings, e.g. {name}.{example} = ...")
+            )
+            continue
+        if cls is None and (home := _section_of(name)):
+            problems.append(
+                ConfigError(name, f"belongs in the [{home}] section", f"write it as {home}.{name} (or under [{home}])")
+            )
+            continue
+        if cls is None:
             problems.append(
                 ConfigError(name, "unknown section or setting", nearest(name, list(_SECTION_TYPES) + list(_TOP_KEYS)))
             )
@@ -152,10 +164,8 @@ def load(
     tree: dict = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError("config", f"no such file {str(p)!r}", "pass the path of a TOML config")
         try:
-            tree = tomllib.loads(p.read_text())
+            tree = tomllib.loads(read_config_text(p))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(str(p), f"invalid TOML ({e})", "fix the syntax") from None
     for key, value in (settings or {}).items():
@@ -164,6 +174,50 @@ def load(
         key, value = parse_override(item)
         _set_dotted(tree, key, value)
     return from_dict(tree)
+
+
+def _section_of(key: str) -> str | None:
+    """The section a top-level key belongs in ('micro_batch_size' -> 'batch'), if exactly one has it."""
+    homes = [s for s, cls in _SECTION_TYPES.items() if key in _field_names(cls)]
+    return homes[0] if len(homes) == 1 else None
+
+
+def _field_names(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+
+
+def read_config_text(p: Path) -> str:
+    """A TOML config's text, each way a path can fail named as itself: missing, a directory, a dangling
+    symlink or a loop, unreadable, not UTF-8 (a UTF-8 byte-order mark is accepted, UTF-16 named)."""
+    shown = repr(str(p))[:120]
+    if p.is_symlink() and not p.exists():
+        try:
+            p.stat()
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ConfigError("config", f"{shown} is a symlink loop", "pass the path of a TOML file") from None
+        raise ConfigError("config", f"{shown} is a symlink to nothing", "pass the path of a TOML file") from None
+    if p.is_dir():
+        raise ConfigError("config", f"{shown} is a directory", "pass the path of a TOML file in it")
+    if not p.exists():
+        raise ConfigError("config", f"no such file {shown}", "pass the path of a TOML config")
+    if not p.is_file():
+        raise ConfigError("config", f"{shown} is not a regular file", "pass the path of a TOML file")
+    try:
+        data = p.read_bytes()[: MAX_CONFIG_BYTES + 1]
+    except OSError as e:
+        raise ConfigError("config", f"cannot read {shown} ({e.strerror})", "check its permissions") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError("config", f"{shown} is over {MAX_CONFIG_BYTES >> 20} MiB", "a config is a few KiB of TOML")
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise ConfigError("config", f"{shown} is UTF-16 text", "save it as UTF-8")
+    try:
+        return data.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark, as some editors write
+    except UnicodeDecodeError as e:
+        raise ConfigError("config", f"{shown} is not UTF-8 text (byte {e.start})", "save it as UTF-8") from None
+
+
+MAX_CONFIG_BYTES = 4 << 20
 
 
 def toml_literal(v: Any) -> str:

@@ -205,9 +205,18 @@ def lookup(name: str, field: str = "hardware.gpus") -> DeviceSpec:
             peak_tflops=None,
             note="generic GPU of the given capacity",
         )
+    if _SIZE_LIKE.match(name):  # 'nanGiB', '-5GiB', 'inf', '1e400GB': a size that is not one
+        raise ConfigError(
+            field, f"{name.strip()[:40]!r} is not a size", "give a positive, finite number with its unit, e.g. 24GiB"
+        )
     raise ConfigError(
         field, f"unknown device {name!r}", nearest(name, list(CATALOG) + ["cpu"]) + " (or give a size such as 24GiB)"
     )
+
+
+_SIZE_LIKE = re.compile(
+    r"^\s*[-+]?(nan|inf(inity)?|[\d.]+(e[-+]?\d+)?)\s*(KiB|MiB|GiB|TiB|KB|MB|GB|TB|B)?\s*$", re.IGNORECASE | re.ASCII
+)
 
 
 def nvidia_smi(fields: str) -> list[list[str]]:
