@@ -113,3 +113,36 @@ def test_a_utf8_byte_order_mark_is_read_as_text(tmp_path, capsys):
     config.write_bytes(b'\xef\xbb\xbfmode = "lora"\n[batch]\nseq_len = 64\n')
     assert cli.main(["plan", str(config), "--gpus", "H100-80GB", "--json"]) == 0
     assert '"seq_len": 64' in capsys.readouterr().out
+
+
+ARCHITECTURES = {
+    "unknown": (
+        "nosucharch",
+        r"model_type 'nosucharch' is not an architecture transformers [\d.]+ knows; did you mean",
+    ),
+    "upper-case": (
+        "LLAMA",
+        r"model_type 'LLAMA' is not an architecture transformers [\d.]+ knows; did you mean 'llama'",
+    ),
+    "encoder": ("bert", r"model_type 'bert' is not a decoder-only causal LM"),
+    "encoder-decoder": ("t5", r"model_type 't5' is not a decoder-only causal LM"),
+}
+
+
+@pytest.mark.parametrize("command", ["plan", "trace", "advise"])
+@pytest.mark.parametrize("kind", sorted(ARCHITECTURES))
+def test_a_config_json_of_an_architecture_that_is_not_a_causal_lm_is_refused(
+    kind, command, tmp_path, capsys, monkeypatch
+):
+    """A complete decoder-shaped config.json whose model_type transformers does not know (or knows as
+    an encoder) was an internal KeyError; now exit 2 naming model_type and what is known."""
+    import json
+
+    model_type, pattern = ARCHITECTURES[kind]
+    path = tmp_path / "files" / "config.json"
+    path.parent.mkdir()
+    sizes = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
+    path.write_text(json.dumps({"model_type": model_type, "vocab_size": 100, **sizes}))
+    monkeypatch.setenv("TRAINPLAN_CACHE", str(tmp_path / "files" / "cache"))  # no derived fit from before
+    argv = [command, str(path)] if command == "advise" else [command, "--model", str(path)]
+    _check(argv, r"^model\.source: " + pattern, tmp_path, capsys, monkeypatch)
