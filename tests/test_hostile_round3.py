@@ -146,3 +146,30 @@ def test_a_config_json_of_an_architecture_that_is_not_a_causal_lm_is_refused(
     monkeypatch.setenv("TRAINPLAN_CACHE", str(tmp_path / "files" / "cache"))  # no derived fit from before
     argv = [command, str(path)] if command == "advise" else [command, "--model", str(path)]
     _check(argv, r"^model\.source: " + pattern, tmp_path, capsys, monkeypatch)
+
+
+def _json_shapes(tmp):
+    deep = '{"a":' * 10_000 + "1" + "}" * 10_000
+    shapes = {
+        "nulls.jsonl": ("null\nnull\n", r"nulls\.jsonl:1: is not a JSON object \(null\)"),
+        "numbers.jsonl": ('{"text": "a"}\n5\n', r"numbers\.jsonl:2: is not a JSON object \(a JSON number\)"),
+        "deep.jsonl": (f'{{"text": {deep}}}\n', r"deep\.jsonl:1: nested too deeply"),
+        "deep.json": ("[" + '{"t":' * 40 + '"x"' + "}" * 40 + "]", r"deep\.json row 1: nested too deeply"),
+        "nulls.json": ("[null]", r"nulls\.json row 1: is not a JSON object \(null\)"),
+    }
+    for name, (text, _) in shapes.items():
+        (tmp / name).write_text(text)
+    return {name: (tmp / name, pattern) for name, (_, pattern) in shapes.items()}
+
+
+@pytest.mark.parametrize("shape", ["nulls.jsonl", "numbers.jsonl", "deep.jsonl", "deep.json", "nulls.json"])
+def test_data_that_crashed_pyarrow_is_refused_in_python(shape, tmp_path, capsys, monkeypatch):
+    """JSON `null` rows and a 10,000-deep object ended the process with SIGSEGV inside `datasets`
+    (pyarrow's JSON reader); checked in Python first, they are one line and exit 2."""
+    files = tmp_path / "files"
+    files.mkdir()
+    path, pattern = _json_shapes(files)[shape]
+    out = tmp_path / "files" / "out"
+    _check(["train", "--data", str(path), "--steps", "1", "--output-dir", str(out)], r"^data\.source: " + pattern,
+           tmp_path, capsys, monkeypatch)  # fmt: skip
+    assert not out.exists()

@@ -120,6 +120,8 @@ def _read_file(path: Path, fmt: str, field: str, cache_dir: str | None) -> list[
             return []
         if path.suffix == ".jsonl":  # rows are the non-blank lines, as `datasets` reads them
             lines = [n for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+        if kind == "json":  # checked in Python first: pyarrow's reader crashes the process on some shapes
+            check_json_rows(path, text, field)
     import datasets
 
     reader = {
@@ -150,6 +152,64 @@ def _read_file(path: Path, fmt: str, field: str, cache_dir: str | None) -> list[
         return f"{path.name} row {i + 1}"
 
     return _documents(table, fmt, field, where, path.name)
+
+
+MAX_JSON_DEPTH = 32  # a row's nesting: {"messages": [{"content": ...}]} is 3
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+
+
+def check_json_rows(path: Path, text: str, field: str) -> None:
+    """Every row of a .json / .jsonl data file is a JSON object nested at most MAX_JSON_DEPTH deep,
+    before `datasets` (pyarrow) sees it: JSON `null` rows and deeply nested objects end the process
+    with a segmentation fault there. A .json file is one array of objects, one object, or JSON lines."""
+    import json
+
+    def parse(chunk: str, where: str):
+        try:
+            return json.loads(chunk)
+        except RecursionError:
+            raise ConfigError(
+                field, f"{where}: nested too deeply", f"rows nest at most {MAX_JSON_DEPTH} levels"
+            ) from None
+
+    rows: list[tuple[str, object]] = []
+    whole = None
+    if path.suffix == ".json":
+        try:
+            whole = parse(text, path.name)
+        except json.JSONDecodeError:
+            whole = None  # JSON lines in a .json file: read line by line below
+    if whole is not None:
+        items = whole if isinstance(whole, list) else [whole]
+        rows = [(f"{path.name} row {i + 1}", row) for i, row in enumerate(items)]
+    else:
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append((f"{path.name}:{n}", parse(line, f"{path.name}:{n}")))
+                except json.JSONDecodeError as e:
+                    raise ConfigError(
+                        field, f"{path.name}:{n}: invalid JSON ({e.msg})", "each line must be one JSON object"
+                    ) from None
+    for where, row in rows:
+        if not isinstance(row, dict):
+            shown = "null" if row is None else f"a JSON {_JSON_TYPES.get(type(row), type(row).__name__)}"
+            raise ConfigError(field, f"{where}: is not a JSON object ({shown})", 'write {"text": ...} per row')
+        if _depth(row) > MAX_JSON_DEPTH:
+            raise ConfigError(field, f"{where}: nested too deeply", f"rows nest at most {MAX_JSON_DEPTH} levels")
+
+
+def _depth(value) -> int:
+    """How deep a parsed JSON value nests, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict | list):
+            deepest = max(deepest, d)
+            if d > MAX_JSON_DEPTH:
+                return d
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def _raise_bad_json_line(path: Path, field: str) -> None:
