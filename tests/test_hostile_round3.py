@@ -173,3 +173,21 @@ def test_data_that_crashed_pyarrow_is_refused_in_python(shape, tmp_path, capsys,
     _check(["train", "--data", str(path), "--steps", "1", "--output-dir", str(out)], r"^data\.source: " + pattern,
            tmp_path, capsys, monkeypatch)  # fmt: skip
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["plan", "trace", "train", "accept"])
+@pytest.mark.parametrize("where", ["toml", "set", "config.json"])
+def test_input_nested_thousands_deep_is_bad_input_not_a_recursion_error(where, command, tmp_path, capsys, monkeypatch):
+    files = tmp_path / "files"
+    files.mkdir()
+    extra = ["--output-dir", "acc"] if command == "accept" else []
+    if where == "toml":
+        (files / "deep.toml").write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")
+        argv, pattern = [command, str(files / "deep.toml")], r"^config: '.*deep\.toml' is nested too deeply"
+    elif where == "set":
+        argv, pattern = [command, "--set", "a=" + "[" * 3000 + "]" * 3000], r"^--set: the value of 'a' is nested too"
+    else:
+        (files / "config.json").write_text('{"model_type": "llama", "x": ' + "[" * 10_000 + "]" * 10_000 + "}")
+        argv = [command, "--model", str(files / "config.json")]
+        pattern = r"^model\.source: .*config\.json is nested too deeply"
+    _check([*argv, *extra], pattern, tmp_path, capsys, monkeypatch)

@@ -184,3 +184,35 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+MAX_NESTING = 64  # no file trainplan reads nests deeper: a chat row is 3, a config 3, a record 6
+
+
+def parse_nested(parse, text: str, field: str, what: str):
+    """parse(text), with nesting bounded: a document nested past MAX_NESTING levels is bad input named
+    by its field and file, not a RecursionError in the parser or in whatever walks the result."""
+    try:
+        value = parse(text)
+    except RecursionError:
+        value = None
+        depth = MAX_NESTING + 1
+    else:
+        depth = nesting(value)
+    if depth > MAX_NESTING:
+        raise ConfigError(field, f"{what} is nested too deeply", f"a valid file nests at most {MAX_NESTING} levels")
+    return value
+
+
+def nesting(value) -> int:
+    """How deep a parsed JSON or TOML value nests (dicts and lists), without recursion; stops counting
+    past MAX_NESTING."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict | list | tuple):
+            deepest = max(deepest, d)
+            if d > MAX_NESTING:
+                return d
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest

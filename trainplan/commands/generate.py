@@ -10,6 +10,7 @@ from pathlib import Path
 
 from trainplan.commands._common import quiet_libraries
 from trainplan.errors import ConfigError
+from trainplan.files import parse_nested
 
 HELP = "complete prompts with a model, a model + LoRA adapter, or a run's result (--compare: base vs fine-tuned)"
 MAX_NEW_TOKENS = 4096
@@ -65,7 +66,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         prompts = []
         for n, line in enumerate(lines, 1):
             try:
-                row = json.loads(line)
+                row = parse_nested(json.loads, line, "--prompts", f"{path.name} line {n}")
             except json.JSONDecodeError as e:
                 raise ConfigError(
                     "--prompts", f"{path.name} line {n}: invalid JSON ({e.msg})", "one object a line"

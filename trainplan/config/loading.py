@@ -12,6 +12,7 @@ from typing import Any
 
 from trainplan.config.schema import _ALONE, _SECTION_TYPES, _TOP_KEYS, RunConfig
 from trainplan.errors import ConfigError, ConfigErrors, nearest
+from trainplan.files import parse_nested
 
 MAX_NUMBER = 1 << 53  # the largest number a setting may be (exact as a float; every real one is far below)
 
@@ -41,7 +42,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError("--set", f"{text!r} is not key=value", "write e.g. --set batch.seq_len=2048")
     key, raw = (s.strip() for s in text.split("=", 1))
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
+        value = parse_nested(tomllib.loads, f"v = {raw}", "--set", f"the value of {key[:60]!r}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw  # a bare word such as lora or H100-80GB
     return key, value
@@ -165,7 +166,7 @@ def load(
     if path is not None:
         p = Path(path)
         try:
-            tree = tomllib.loads(read_config_text(p))
+            tree = parse_nested(tomllib.loads, read_config_text(p), "config", repr(str(p))[:120])
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(str(p), f"invalid TOML ({e})", "fix the syntax") from None
     for key, value in (settings or {}).items():

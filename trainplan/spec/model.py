@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainplan.errors import ConfigError, TrainplanError, nearest
+from trainplan.files import parse_nested
 from trainplan.spec import gguf, hub
 from trainplan.spec.bounds import checked
 
@@ -483,7 +484,7 @@ def model_dir(source: str) -> Path | None:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return parse_nested(json.loads, path.read_text(encoding="utf-8"), "model.source", str(path)[:120])
     except json.JSONDecodeError as e:
         raise ConfigError(
             "model.source",
