@@ -28,8 +28,8 @@ FOUNDATION_ORDER = {  # inside the foundation, still one way
     "text": set(),
     "files": {"errors"},
     "_torch_private": {"errors"},
-    "config": {"errors"},
-    "spec": {"config", "errors"},
+    "config": {"errors", "files"},  # files: the checked readers (parse_nested), below config and spec
+    "spec": {"config", "errors", "files"},
     "features": {"config", "errors", "spec"},  # each memory option's rules, read by resolve and all above
     "resolve": {"config", "errors", "features", "spec"},
 }
