@@ -204,15 +204,15 @@ def parse_nested(parse, text: str, field: str, what: str):
     return value
 
 
-def nesting(value) -> int:
+def nesting(value, limit: int = MAX_NESTING) -> int:
     """How deep a parsed JSON or TOML value nests (dicts and lists), without recursion; stops counting
-    past MAX_NESTING."""
+    past `limit`."""
     deepest, stack = 0, [(value, 1)]
     while stack:
         v, d = stack.pop()
         if isinstance(v, dict | list | tuple):
             deepest = max(deepest, d)
-            if d > MAX_NESTING:
+            if d > limit:
                 return d
             stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
     return deepest

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainplan.errors import ConfigError
+from trainplan.files import nesting
 
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # (format, the columns it needs), in the order `auto` tries them on each row
@@ -195,21 +196,8 @@ def check_json_rows(path: Path, text: str, field: str) -> None:
         if not isinstance(row, dict):
             shown = "null" if row is None else f"a JSON {_JSON_TYPES.get(type(row), type(row).__name__)}"
             raise ConfigError(field, f"{where}: is not a JSON object ({shown})", 'write {"text": ...} per row')
-        if _depth(row) > MAX_JSON_DEPTH:
+        if nesting(row, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
             raise ConfigError(field, f"{where}: nested too deeply", f"rows nest at most {MAX_JSON_DEPTH} levels")
-
-
-def _depth(value) -> int:
-    """How deep a parsed JSON value nests, without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, dict | list):
-            deepest = max(deepest, d)
-            if d > MAX_JSON_DEPTH:
-                return d
-            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
-    return deepest
 
 
 def _raise_bad_json_line(path: Path, field: str) -> None:
