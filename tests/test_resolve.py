@@ -41,10 +41,10 @@ def test_what_the_engine_does_not_run_is_refused_in_one_line(settings, cuda, fie
     assert "\n" not in str(e.value) and str(e.value).startswith(f"{field}: ")
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "fsdp-grad-op"])
-def test_a_sharding_strategy_on_one_data_parallel_rank_is_refused_as_doing_nothing(strategy):
-    """At data-parallel degree 1 a sharding strategy would run as a single process, and the record would
-    still name it: refused, with the fix, before anything plans."""
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_a_partitioning_strategy_on_one_data_parallel_rank_is_refused_as_doing_nothing(strategy):
+    """At data-parallel degree 1 ZeRO-1/2 would run as a single process, and the record would still name
+    it: refused, with the fix, before anything plans."""
     with pytest.raises(ConfigError) as e:
         job(**{"parallel.strategy": strategy, "hardware.gpus": "H100-80GB"})
     assert e.value.field == "parallel.strategy" and "single process" in str(e.value)
@@ -53,9 +53,14 @@ def test_a_sharding_strategy_on_one_data_parallel_rank_is_refused_as_doing_nothi
     assert dims.strategy == "single"
 
 
-def test_fsdp2_on_one_device_stays_for_its_cpu_offload():
-    cfg, dims = job(**{"parallel.strategy": "zero3", "parallel.offload_optimizer": True, "hardware.gpus": "H100-80GB"})
-    assert dims.strategy == "zero3" and dims.dp == 1
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp-grad-op"])
+def test_fsdp2_on_one_device_is_planned_as_it_runs(strategy, offload):
+    """zero3 on one process runs FSDP2 over a one-rank mesh (run/setup.py), so it is planned as such."""
+    cfg, dims = job(
+        **{"parallel.strategy": strategy, "parallel.offload_optimizer": offload, "hardware.gpus": "H100-80GB"}
+    )
+    assert dims.strategy == strategy and dims.dp == 1 and dims.shards_params
 
 
 def test_what_the_engine_runs_passes():

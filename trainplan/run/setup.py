@@ -122,8 +122,7 @@ def _lock(cfg: C.RunConfig, env: dist.DistEnv) -> tuple[DirLock, ...]:
 
 def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, locks: tuple, progress: Progress) -> Job:
     r = dataclasses.replace(r, spec=weights.as_built(cfg, r.spec))
-    sharded = r.dims.shards_params and (env.world > 1 or features.optimizer_offload.on(r.cfg))
-    if sharded and env.world == 1:  # offload on one device: FSDP2 over a one-rank mesh
+    if r.dims.shards_params and env.world == 1:  # zero3 on one process: FSDP2 over a one-rank mesh
         dist.join_alone(env, cfg.parallel.timeout_s)
     torch.manual_seed(cfg.train.seed)
     with progress.stage("tokenize") as stage:
@@ -154,7 +153,7 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, l
     if cfg.train.epochs:
         steps = data.steps_for_epochs(cfg.train.epochs, train.ids.shape[0], r.batch.global_batch_size)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
-    mesh = dist.mesh(env) if sharded else None
+    mesh = dist.mesh(env) if r.dims.shards_params else None
     meter = measure.PhaseMeter(env.device) if cfg.train.measure_memory else None
     with progress.stage("load weights", cfg.model.source), meter or contextlib.nullcontext():
         model = weights.load_model(cfg, r.spec, r.precision, env.device, dims=r.dims if mesh else None, mesh=mesh)

@@ -125,17 +125,18 @@ def build_parallel_dims(cfg: ParallelConfig, world_size: int, model: ModelSpec) 
         )
     dp = world_size // (tp * pp)
     strategy = cfg.strategy if dp > 1 else "single"
-    if dp == 1 and cfg.offload_optimizer and cfg.strategy in ("zero3", "fsdp-grad-op"):
-        strategy = cfg.strategy  # FSDP2's CPUOffloadPolicy on one device: FSDP2 over a one-rank mesh
-    elif dp == 1 and cfg.strategy not in ("ddp", "single"):
-        # the strategy shards over data-parallel ranks, and there is one: a setting that does nothing
-        # would be planned, run and recorded as if it had
+    if dp == 1 and cfg.strategy in PARAM_SHARDING_STRATEGIES:
+        # FSDP2 over a one-rank mesh, as it runs: what a zero3 config does on one process (a resume on
+        # fewer ranks, accept's one-process checks, the CPU offload's policy), planned and recorded as such
+        strategy = cfg.strategy
+    elif dp == 1 and cfg.strategy in ("zero1", "zero2"):
+        # ZeRO-1/2 partition over data-parallel ranks, and there is one: a setting that would do nothing
+        # would be planned and recorded as if it had
         raise ConfigError(
             "parallel.strategy",
-            f"{cfg.strategy} shards over the data-parallel ranks, but this layout has one "
+            f"{cfg.strategy} partitions over the data-parallel ranks, but this layout has one "
             f"(world {world_size}, tp {tp}, pp {pp}), so it would run as a single process",
-            'drop the setting (or set "ddp"), plan more devices (e.g. --gpus 2xH100-80GB), or add '
-            "parallel.offload_optimizer = true with zero3 to offload through FSDP2 on one device",
+            'drop the setting (or set "ddp"), or plan more devices (e.g. --gpus 2xH100-80GB)',
         )
     return ParallelDims(
         world_size=world_size, dp=dp, tp=tp, pp=pp, strategy=strategy, offload_optimizer=cfg.offload_optimizer
