@@ -32,6 +32,7 @@ Known workarounds, each needed by the tracer:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import weakref
 from collections.abc import Callable, Iterator
@@ -252,6 +253,25 @@ def fsdp_reshards_after_forward(model: torch.nn.Module) -> bool | None:
         return None
     groups = [g for m in units or [model] for g in m._get_fsdp_state()._fsdp_param_groups]
     return any(g._reshard_after_forward for g in groups)
+
+
+@contextlib.contextmanager
+def no_gguf_bars() -> Iterator[None]:
+    """No progress bar while transformers loads a GGUF file, for output that is piped: its weight
+    loading bar (transformers' logging tqdm) and the GGUF loader's own, a plain tqdm that
+    disable_progress_bar does not reach."""
+    import transformers
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original, enabled = gguf_utils.tqdm, transformers.utils.logging.is_progress_bar_enabled()
+    gguf_utils.tqdm = functools.partial(original, disable=True)
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+        if enabled:
+            transformers.utils.logging.enable_progress_bar()
 
 
 def set_expandable_segments(on: bool) -> None:

@@ -132,13 +132,15 @@ def test_html_report_renders_its_plots_in_a_headless_browser(accepted, screensho
     assert pixels("#1a7f37") > 50
 
 
-def test_runs_list_show_compare(accepted, tiny_run, tmp_path, capsys):
+def test_runs_list_show_compare(accepted, tiny_run, tmp_path, capsys, monkeypatch):
     _, out, db, _ = accepted
     root, base = tiny_run
-    record = execute(C.load(None, [*base, "mode=full", f"train.output_dir={tmp_path}"]), quiet=True)[0].to_json()
+    monkeypatch.chdir(tmp_path)  # a relative output_dir: the registry keeps it absolute
+    record = execute(C.load(None, [*base, "mode=full", "train.output_dir=relative-run"]), quiet=True)[0].to_json()
     assert record["registry_id"] is not None  # train runs register themselves (the suite's registry)
     rows = registry.rows(registry.path())
     assert rows[-1]["kind"] == "train" and rows[-1]["mode"] == "full"
+    assert rows[-1]["output_dir"] == str((tmp_path / "relative-run").resolve())
     assert cli.main(["runs", "list", "--registry", str(db)]) == 0
     assert re.search(r"^1\s+accept\s", capsys.readouterr().out, re.M)
     assert cli.main(["runs", "show", "1", "--registry", str(db)]) == 0

@@ -132,3 +132,21 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint_and_the_result(tiny_r
     assert cli.main([*args, "--set", "checkpoint.resume='auto'"]) == 0
     record = json.loads((out / "record.json").read_text())
     assert record["resume"]["step"] == 2 and [s["step"] for s in record["steps"]] == [3, 4]
+
+
+@pytest.mark.slow
+def test_the_gguf_conversion_is_a_stage_of_its_own_without_a_redrawn_bar(tmp_path, caplog, capfd):
+    """The one-time conversion of the embedded default (24 s on a 2-core CPU) says what it does and how
+    long it took, and, piped, draws no tqdm bar (no carriage returns)."""
+    import logging
+
+    from trainplan.run import weights
+    from trainplan.spec.model import default_gguf_path
+
+    with caplog.at_level(logging.INFO, logger="trainplan"):
+        target = weights.gguf_cache(default_gguf_path(), str(tmp_path / "cache"))
+    lines = [r.getMessage() for r in caplog.records if r.name == "trainplan"]
+    assert lines[0].startswith(f"convert GGUF {default_gguf_path().name} to safetensors in {target}")
+    assert lines[-1].startswith("convert GGUF done in ") and lines[-1].endswith("s")
+    assert "\r" not in capfd.readouterr().err  # pytest's stderr is no terminal
+    assert (target / "model.safetensors").is_file()

@@ -3,16 +3,20 @@ cache, the embedded default) or random initialization (presets, config.json)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from trainplan import features
+from trainplan import _torch_private, features
 from trainplan.config import RunConfig
 from trainplan.errors import ConfigError, TrainplanError
 from trainplan.features.qlora import engine as qlora
@@ -20,6 +24,8 @@ from trainplan.run import build
 from trainplan.spec import hub
 from trainplan.spec.model import ModelSpec, default_gguf_path, model_dir
 from trainplan.spec.precision import Precision
+
+LOG = logging.getLogger("trainplan")  # the progress lines' logger (run/progress.py)
 
 
 def is_pretrained(cfg: RunConfig) -> bool:
@@ -53,13 +59,33 @@ def _gguf(cfg: RunConfig) -> Path | None:
 
 def gguf_cache(gguf: Path, cache_dir: str) -> Path:
     """Dequantize a GGUF file once into a safetensors model directory (written atomically)."""
-    import transformers
-
     target = Path(cache_dir).expanduser() / f"{gguf.stem}-{gguf.stat().st_size}"
     if _complete(target):
         return target
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.perf_counter()
+    LOG.info("convert GGUF %s to safetensors in %s (once; later runs read it) ...", gguf.name, target)
+    piped = not sys.stderr.isatty()  # a stage line then, not bars redrawn with \r
+    with _torch_private.no_gguf_bars() if piped else contextlib.nullcontext():
+        _dequantize(gguf, tmp)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not _complete(target):  # else another process (a torchrun rank, a test worker) finished first: keep its copy
+        shutil.rmtree(target, ignore_errors=True)  # a partial leftover
+        try:
+            os.replace(tmp, target)
+        except OSError:  # ENOTEMPTY: another process published between the check and the rename
+            if not _complete(target):
+                raise
+    shutil.rmtree(tmp, ignore_errors=True)
+    LOG.info("convert GGUF done in %.1fs", time.perf_counter() - t0)
+    return target
+
+
+def _dequantize(gguf: Path, out: Path) -> None:
+    """The GGUF file's model and tokenizer, saved to `out` as a dequantized safetensors directory."""
+    import transformers
+
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
@@ -74,18 +100,8 @@ def gguf_cache(gguf: Path, cache_dir: str) -> Path:
     model.hf_quantizer = None  # the weights are dequantized; nothing is quantized any more
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if not _complete(target):  # else another process (a torchrun rank, a test worker) finished first: keep its copy
-        shutil.rmtree(target, ignore_errors=True)  # a partial leftover
-        try:
-            os.replace(tmp, target)
-        except OSError:  # ENOTEMPTY: another process published between the check and the rename
-            if not _complete(target):
-                raise
-    shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def _complete(target: Path) -> bool:

@@ -107,7 +107,8 @@ def row_from_record(record, *, kind: str, verdict: str, device: str) -> dict:
         "train_seconds": record.train_seconds,
         "tokens_per_s": rates[len(rates) // 2] if rates else None,
         "verdict": verdict,
-        "output_dir": cfg["train"]["output_dir"],
+        # absolute and resolved: `runs show` finds the run from any directory, not only the one it started in
+        "output_dir": str(Path(cfg["train"]["output_dir"]).resolve()) if cfg["train"]["output_dir"] else None,
         "config_toml": to_toml(from_dict(cfg)),
     }
 
