@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from trainplan import config as C  # noqa: E402
 from trainplan.plan.fragmentation import workload_class  # noqa: E402
 
 MIN_ALLOCATED = 2 << 30
@@ -59,7 +60,7 @@ def rows_of(paths: list[Path]) -> list[dict]:
 
 def replay_rows(path: Path) -> list[dict]:
     """The expandable-segments replay of each row, as rows_of's rows (offload rows left out as above)."""
-    workspace = 64 << 20  # hardware.cublas_workspace_mib: in the replayed figure, billed as runtime
+    workspace = C.HardwareConfig().cublas_workspace_mib << 20  # in the replayed figure, billed as runtime
     data = json.loads(path.read_text())
     rows = []
     for row in data["rows"]:

@@ -97,13 +97,10 @@ class NextStep:
 
 
 def with_settings(cfg: C.RunConfig, settings: dict) -> C.RunConfig:
+    """cfg with dotted settings on top, checked as --set checks them."""
     tree = cfg.to_dict()
     for dotted, value in settings.items():
-        *sections, key = dotted.split(".")
-        node = tree
-        for s in sections:
-            node = node.setdefault(s, {})
-        node[key] = value
+        C._set_dotted(tree, dotted, value)
     return C.from_dict(tree)
 
 

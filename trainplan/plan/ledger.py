@@ -30,9 +30,6 @@ COMPONENTS = (
     "allocator_reserve",  # cached-but-unused allocator blocks
 )
 
-RESULT_FITS, RESULT_DOES_NOT_FIT, RESULT_BAD_INPUT = 0, 1, 2
-
-
 # Comparison groups: the tracker's categories cannot tell an autocast copy or a logits buffer
 # from other forward tensors, so analytic and traced bills are compared on these sums.
 GROUPS = {

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from trainplan.errors import EXIT_FAILED, EXIT_OK
 from trainplan.spec.devices import gib
 
 if TYPE_CHECKING:
@@ -55,8 +56,8 @@ class Verdict:
     def exit_code(self, *, strict: bool = False) -> int:
         """0 FITS; TIGHT 0 (1 with --strict); 1 DOES NOT FIT."""
         if self.state == DOES_NOT_FIT or (strict and self.state == TIGHT):
-            return 1
-        return 0
+            return EXIT_FAILED
+        return EXIT_OK
 
     def to_json(self) -> dict:
         d = self.tightest
