@@ -31,8 +31,10 @@ def node(monkeypatch):
     return sizes
 
 
-def bill(device: float, host: float) -> preflight.Bill:
-    return preflight.Bill(device_bytes=(int(device * GiB),), host_bytes=(int(host * GiB),))
+def bill(device: float, host: float, margin: float = 0) -> preflight.Bill:
+    return preflight.Bill(
+        device_bytes=(int(device * GiB),), device_margin_bytes=(int(margin * GiB),), host_bytes=(int(host * GiB),)
+    )
 
 
 def test_free_device_memory_must_cover_the_rank_s_bill(node):
@@ -42,6 +44,18 @@ def test_free_device_memory_must_cover_the_rank_s_bill(node):
     (line,) = str(e.value).splitlines()
     assert line.startswith("preflight: node n7 rank 0: cuda:0 has 10.00 GiB free, the plan needs 12.50 GiB")
     assert "short by 2.50 GiB" in line
+
+
+def test_free_memory_short_of_the_margin_only_warns_as_the_plan_s_tight(node):
+    """The plan's TIGHT (the need fits, its margin does not) runs with a warning; DOES NOT FIT stops."""
+    assert "TIGHT" not in preflight.check(ONE_GPU, None, bill(8, 1, margin=2))  # 10 GiB free covers both
+    said = preflight.check(ONE_GPU, None, bill(9, 1, margin=2))
+    assert said.endswith(
+        "; TIGHT on rank 0: cuda:0 has 10.00 GiB free for a need of 9.00 GiB and a 2.00 GiB margin, "
+        "so it may run out of memory"
+    )
+    with pytest.raises(preflight.PreflightError, match="short by 0.50 GiB"):
+        preflight.check(ONE_GPU, None, bill(10.5, 1, margin=2))
 
 
 def test_host_ram_must_cover_the_node_s_ranks(node):
@@ -74,14 +88,15 @@ def test_the_probe_file_is_written_read_and_removed(tmp_path):
 
 
 def test_the_bill_is_the_plan_s(make_cfg):
-    """Device: the plan's total and margin, less the CUDA context already resident; host: a DDP
+    """Device: the plan's need (its margin apart), less the CUDA context already resident; host: a DDP
     resume reads the weights and optimizer state whole, FSDP's (DCP) reads in place, and the main
     rank of a full fine-tune gathers the whole model to save the result."""
     tiny = {"model__source": "tiny-llama", "precision": "fp32"}
     ddp = make_cfg(**tiny, hardware__gpus="2xH100-80GB")
     d = plan(ddp).devices[1]
     got = preflight_bill(ddp)
-    assert got.device_bytes[1] == d.total_bytes + d.error_margin_bytes - 600 * MiB
+    assert got.device_bytes[1] == d.peak_allocated + d.runtime_bytes - 600 * MiB
+    assert got.device_margin_bytes[1] == d.error_margin_bytes + d.reserve_bytes > 0
     params = plan(ddp).model["params"]
     assert got.host_bytes == (params * 4 * 3,) * 2  # fp32 weights + AdamW's two states
     fsdp = make_cfg(**tiny, hardware__gpus="2xH100-80GB", parallel__strategy="zero3")

@@ -14,9 +14,11 @@ from trainplan.spec.devices import MiB
 def preflight_bill(cfg: C.RunConfig) -> Bill:
     """What each rank needs free when the preflight runs (after data load, before the model is built).
 
-    Device, per rank: the plan's total (peak allocated + allocator reserve + runtime), plus its error
-    margin and hardware.safety_margin of the device, less the runtime that is already resident when the
-    check measures (the CUDA context, hardware.cuda_context_mib; on the CPU, hardware.cpu_runtime_mib).
+    Device, per rank: the plan's need (peak allocated + runtime) and hardware.safety_margin of the
+    device, less the runtime that is already resident when the check measures (the CUDA context,
+    hardware.cuda_context_mib; on the CPU, hardware.cpu_runtime_mib); and apart, the verdict's margin
+    (accuracy band + allocator reserve). Short of the need the run stops (the plan said DOES NOT FIT);
+    short of the margin only, it warns (TIGHT), as the plan did.
 
     Host, per rank (a node's ranks add up):
     - a CPU rank: its device figure above (host memory is its device);
@@ -30,12 +32,12 @@ def preflight_bill(cfg: C.RunConfig) -> Bill:
     r = resolve(cfg)
     ledger = plan(cfg)
     hw = cfg.hardware
-    device_bytes = []
-    host_bytes = []
+    device_bytes, margin_bytes, host_bytes = [], [], []
     for rank, d in enumerate(ledger.devices):
         resident = (hw.cpu_runtime_mib if d.device.kind == "cpu" else hw.cuda_context_mib) * MiB
-        need = d.total_bytes + d.error_margin_bytes + int(d.device.capacity_bytes * hw.safety_margin) - resident
+        need = d.need_bytes + int(d.device.capacity_bytes * hw.safety_margin) - resident
         device_bytes.append(max(0, need))
+        margin_bytes.append(d.margin_bytes)
         if d.device.kind == "cpu":
             host_bytes.append(max(0, need))
             continue
@@ -43,7 +45,12 @@ def preflight_bill(cfg: C.RunConfig) -> Bill:
         resume += 0 if r.dims.shards_params else _most(d, "optimizer")
         result = r.spec.num_params * r.precision.param_bytes if rank == 0 and r.cfg.mode == "full" else 0
         host_bytes.append(max(resume, result) + d.offload_bytes + d.host_activation_bytes)
-    return Bill(device_bytes=tuple(device_bytes), host_bytes=tuple(host_bytes), source=f"the {ledger.source} plan")
+    return Bill(
+        device_bytes=tuple(device_bytes),
+        device_margin_bytes=tuple(margin_bytes),
+        host_bytes=tuple(host_bytes),
+        source=f"the {ledger.source} plan",
+    )
 
 
 def _most(d: DeviceLedger, component: str) -> int:

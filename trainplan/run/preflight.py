@@ -1,7 +1,10 @@
 """Per-node preflight: before any rank builds its model, check that each node has what the plan needs.
 
 - Device memory (CUDA): the GPU's free memory (`torch.cuda.mem_get_info`, measured after this
-  process's CUDA context exists) covers the rank's planned need (`Bill.device_bytes`).
+  process's CUDA context exists) covers the rank's planned need (`Bill.device_bytes`), or the run
+  stops. Free memory that covers the need but not the verdict's margin on top of it
+  (`Bill.device_margin_bytes`: the plan's accuracy band and the caching allocator's reserve) is the
+  plan's TIGHT: the run goes on, and the check's line says it may run out of memory.
 - Host RAM: `MemAvailable` of /proc/meminfo covers the sum of the host needs (`Bill.host_bytes`) of
   every rank on that node (ranks are grouped by hostname, so two "nodes" on one machine share it).
   On the CPU a rank's whole bill is host memory, so that is the only memory check there.
@@ -45,6 +48,7 @@ class Bill:
     """What each rank needs, from the plan. Index: the global rank."""
 
     device_bytes: tuple[int, ...]  # device memory that must be free when the check runs
+    device_margin_bytes: tuple[int, ...] = ()  # the verdict's margin on top of it: short of it, TIGHT
     host_bytes: tuple[int, ...]  # host RAM the rank needs; a node's ranks' figures add up
     source: str = "the plan"  # named in a failure: where the figures come from
 
@@ -79,6 +83,16 @@ def device_problem(host: str, rank: int, device: torch.device, free: int, need: 
         f"preflight: node {host} rank {rank}: {device} has {format_gib(free)} free, {source} needs {format_gib(need)} "
         f"for this rank: short by {format_gib(need - free)}; free the GPU (another process holds memory: "
         "nvidia-smi lists it) or plan a smaller layout"
+    )
+
+
+def device_warning(rank: int, device: torch.device, free: int, need: int, margin: int) -> str | None:
+    """TIGHT: the free memory covers the need, not the margin on top of it."""
+    if margin <= 0 or free >= need + margin:
+        return None
+    return (
+        f"TIGHT on rank {rank}: {device} has {format_gib(free)} free for a need of {format_gib(need)} and a "
+        f"{format_gib(margin)} margin, so it may run out of memory"
     )
 
 
@@ -154,10 +168,12 @@ def check(env: dist.DistEnv, checkpoint_dir: Path | None, bill: Bill | None) -> 
     Returns what was checked, for the progress line."""
     assert bill is None or len(bill.device_bytes) == len(bill.host_bytes) == env.world, "a bill for another world"
     host = hostname()
-    problems = []
+    problems, warning = [], None
     if bill is not None and env.device.type == "cuda":
-        free = free_device_bytes(env.device)
-        problems.append(device_problem(host, env.rank, env.device, free, bill.device_bytes[env.rank], bill.source))
+        free, need = free_device_bytes(env.device), bill.device_bytes[env.rank]
+        problems.append(device_problem(host, env.rank, env.device, free, need, bill.source))
+        margin = bill.device_margin_bytes[env.rank] if bill.device_margin_bytes else 0
+        warning = device_warning(env.rank, env.device, free, need, margin)
     probing = checkpoint_dir is not None and env.world > 1
     token, created = None, []
     if probing and env.is_main:
@@ -169,7 +185,7 @@ def check(env: dist.DistEnv, checkpoint_dir: Path | None, bill: Bill | None) -> 
                 f"{str(checkpoint_dir)!r} ({e.strerror}); choose a directory every node can write"
             )
     # the first collective: rank 0's probe is written before any rank reads it
-    seen = env.gather({"host": host, "token": token})
+    seen = env.gather({"host": host, "token": token, "warning": warning})
     if probing and seen[0]["token"] is not None and not env.is_main:
         found = read_probe(checkpoint_dir)
         problems.append(probe_problem(host, env.rank, checkpoint_dir, seen[0]["token"], found, seen[0]["host"]))
@@ -192,4 +208,7 @@ def check(env: dist.DistEnv, checkpoint_dir: Path | None, bill: Bill | None) -> 
     checked += ["one checkpoint directory"] if probing else []
     if not checked:
         return "nothing to check: no plan given, and no checkpoint directory that ranks share"
-    return f"{', '.join(checked)} on {nodes} node(s), {env.world} rank(s)" + ("" if bill else " (no plan given)")
+    warnings = [s["warning"] for s in seen if s["warning"]]
+    tight = "; " + "; ".join(warnings[:2]) + (f" (and {len(warnings) - 2} more ranks)" if len(warnings) > 2 else "")
+    done = f"{', '.join(checked)} on {nodes} node(s), {env.world} rank(s)" + ("" if bill else " (no plan given)")
+    return done + (tight if warnings else "")
