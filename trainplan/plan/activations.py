@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from trainplan.plan.parts import Bytes
 from trainplan.plan.tensors import ROWWISE
 from trainplan.spec.model import ModelSpec
 
@@ -362,13 +363,24 @@ def logits_loss_bytes(spec: ModelSpec, ctx: ActContext, head_grad_bytes: int) ->
     cb = ctx.compute_bytes
     shifted_labels = ctx.tokens * 8  # saved by nll_loss
     padded_labels = ctx.batch * (ctx.seq + 1) * 8
-    fwd = tv * cb + (tv * FP32 if cb != FP32 else 0) + tv * FP32 + shifted_labels + padded_labels
+    softcap = ("tanh's saved output (final logit soft-capping)", tv * cb if spec.model_type == "gemma2" else 0)
+    fwd = Bytes(
+        ("the logits", tv * cb),
+        ("their fp32 upcast", tv * FP32 if cb != FP32 else 0),
+        ("the log-softmax output (fp32)", tv * FP32),
+        ("the int64 labels, padded and shifted", shifted_labels + padded_labels),
+        softcap,
+    )
     loss_bwd = 3 * tv * FP32
     head_bwd = tv * cb + head_grad_bytes
-    softcap = tv * cb if spec.model_type == "gemma2" else 0
     if loss_bwd >= head_bwd:  # nll_loss's backward has run and released the labels it saved
-        return {"forward": fwd + softcap, "backward": loss_bwd + softcap, "backward_grads": 0}
-    return {"forward": fwd + softcap, "backward": tv * cb, "backward_grads": head_grad_bytes}
+        three = ("the log-softmax output, its gradient and nll_loss's (3 fp32 tokens x vocab)", loss_bwd)
+        return {"forward": fwd, "backward": Bytes(three, softcap), "backward_grads": 0}
+    return {
+        "forward": fwd,
+        "backward": Bytes(("the logits' gradient", tv * cb)),
+        "backward_grads": Bytes(("lm_head's weight gradient, formed as backward starts", head_grad_bytes)),
+    }
 
 
 def fused_loss_bytes(
@@ -392,14 +404,23 @@ def fused_loss_bytes(
     cast = vocab * hidden * cb if head_bytes != cb else 0
     grad_w = vocab * hidden * cb if head_trainable else 0
     grad_h = tokens * hidden * hb
-    forward = tokens * 8 + grad_h + grad_w + cast + chunk
+    d_hidden = ("dL/dhidden for every token", grad_h)
+    forward = Bytes(
+        ("the int64 targets", tokens * 8),
+        d_hidden,
+        ("the head's dL/dW in the compute dtype", grad_w),
+        ("the head's compute-dtype copy", cast),
+        ("one chunk's logits and per-row scalars", chunk),
+    )
     if not head_trainable:
-        return {"forward": forward, "backward": grad_h, "backward_grads": 0}
+        return {"forward": forward, "backward": Bytes(d_hidden), "backward_grads": 0}
     widened = head_bytes != cb  # dL/dW.to(weight dtype) is a new tensor beside the compute-dtype one
     return {
         "forward": forward,
-        "backward": grad_h + (grad_w if widened else 0),
-        "backward_grads": vocab * hidden * head_bytes,
+        "backward": Bytes(
+            d_hidden, ("the head's dL/dW in the compute dtype, beside its widened copy", grad_w * widened)
+        ),
+        "backward_grads": Bytes(("the head's weight gradient", vocab * hidden * head_bytes)),
     }
 
 

@@ -25,7 +25,9 @@ from trainplan.features.step_in_backward import plan as step_in_backward
 from trainplan.plan import context, lifecycle, offload
 from trainplan.plan import terms as T
 from trainplan.plan.backward import backward_moments
+from trainplan.plan.formulas import kv_cache_bytes, model_state_bytes_per_param, zero_model_state_bytes
 from trainplan.plan.ledger import DeviceLedger, Ledger, gib
+from trainplan.plan.parts import Bytes
 from trainplan.plan.phase import PhaseBill, StepBill
 from trainplan.plan.tensors import (
     BNB_8BIT_MIN_NUMEL,
@@ -42,7 +44,6 @@ from trainplan.resolve import Resolved, resolve
 from trainplan.spec.devices import DeviceSpec
 from trainplan.spec.model import ModelSpec
 from trainplan.spec.parallel import ParallelDims
-from trainplan.spec.precision import Precision
 
 __all__ = [  # what other modules import from here; the terms themselves live in plan/terms.py
     "BNB_8BIT_MIN_NUMEL",
@@ -69,7 +70,12 @@ def _backward_copies(ctx: T.RankContext, copies: int) -> int:
     """autocast's weight copies at the start of backward: all of forward's, unless checkpointing
     released the layers' (T.casts_kept_by_checkpointing)."""
     if ctx.ckpt.layers and ctx.autocast and ctx.full and not ctx.shards.fsdp:
-        return T.casts_kept_by_checkpointing(ctx)
+        return Bytes(
+            (
+                "autocast's copies outside the checkpoints: the rest were dropped with forward's cache",
+                T.casts_kept_by_checkpointing(ctx),
+            )
+        )
     return copies
 
 
@@ -87,6 +93,7 @@ class _Fixed(NamedTuple):
     save: dict[str, int]
     host_bytes: int
     explain: dict[str, str]  # the notes of the terms above but the load's and the save's
+    noted: dict[str, int]  # the bytes each of those notes explains
     load_note: str
     save_note: str
 
@@ -101,11 +108,33 @@ def _fixed_terms(ctx: T.RankContext) -> _Fixed:
     explain["optimizer_temp"] = opt.temp_note
     host_bytes, opt, adapter = optimizer_offload.on_host(ctx, grads, opt, adapter, explain)
     buffers = T.buffers(ctx)
+    explain["buffers"] = T.BUFFERS_NOTE
+    noted = {
+        "weights": weights.nbytes,
+        "weight_copies": copies.nbytes,
+        "gradients": grads.nbytes,
+        "optimizer": opt.states,
+        "optimizer_temp": opt.temp,
+        "buffers": buffers,
+    }
     load, load_note = lifecycle.load(ctx, weights, adapter, buffers)
     save, save_note = lifecycle.save(ctx, weights, adapter, grads, opt, buffers)
     runtime = T.runtime(ctx)
     return _Fixed(
-        weights, copies, adapter, grads, opt, buffers, runtime, load, save, host_bytes, explain, load_note, save_note
+        weights,
+        copies,
+        adapter,
+        grads,
+        opt,
+        buffers,
+        runtime,
+        load,
+        save,
+        host_bytes,
+        explain,
+        noted,
+        load_note,
+        save_note,
     )
 
 
@@ -131,13 +160,13 @@ def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedg
             memo[ctx.persistent_grads] = fixed
     weights, copies, adapter, grads, opt = fixed.weights, fixed.copies, fixed.adapter, fixed.grads, fixed.opt
     buffers, runtime, load, host_bytes = fixed.buffers, fixed.runtime, fixed.load, fixed.host_bytes
-    explain = dict(fixed.explain)
+    explain, noted = dict(fixed.explain), dict(fixed.noted)
     comm = T.comm_buffers(ctx, grads.nbytes)
     if comm.note:
         explain["comm_buffers"] = comm.note
     explain["load"] = fixed.load_note
     if not r.training:
-        return _inference_ledger(ctx, weights.nbytes, buffers, runtime, explain, load)
+        return _inference_ledger(ctx, weights.nbytes, buffers, runtime, explain, noted, load)
 
     acts = T.activations(ctx)
     explain["activations"] = acts.note
@@ -160,7 +189,7 @@ def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedg
         weights=weights.nbytes,
         weight_copies=_backward_copies(ctx, copies.nbytes),
         adapter=adapter.live + (adapter.grads if ctx.persistent_grads else 0),
-        gradients=grads.live_fwd + loss.by_phase["backward_grads"],
+        gradients=Bytes(grads.live_fwd, loss.by_phase["backward_grads"]),
         optimizer=opt.states,
         activations=acts.bwd,
         logits_loss=loss.by_phase["backward"],
@@ -173,7 +202,7 @@ def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedg
         gradients=grads.nbytes,
         optimizer=opt.states,
         optimizer_temp=opt.temp,
-        activations=2 * ctx.tokens * 8,  # the batch (ids, labels) is still referenced
+        activations=Bytes(("the batch's ids and labels, still referenced", 2 * ctx.tokens * 8)),
         buffers=buffers,
     )
     evaluate, explain["evaluate"] = lifecycle.evaluate(ctx, weights, copies, adapter, grads, opt, buffers, comm)
@@ -195,6 +224,7 @@ def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedg
         runtime,
         explain,
         details,
+        noted=noted,
         offload_bytes=host_bytes,
         offloaded_activation_bytes=acts.offloaded,
         host_activation_bytes=acts.host,
@@ -225,6 +255,7 @@ def _device_ledger(
     explain: dict,
     details: dict,
     *,
+    noted: dict,
     offload_bytes: int = 0,
     offloaded_activation_bytes: int = 0,
     host_activation_bytes: int = 0,
@@ -245,6 +276,7 @@ def _device_ledger(
         allocator_mode="expandable_segments" if r.cfg.memory.expandable_segments else "default",
         safety_margin=r.cfg.hardware.safety_margin,
         explain=explain,
+        noted=noted,
         details=details,
         ranks=[rank],
         offload_bytes=offload_bytes,
@@ -288,7 +320,7 @@ def _runtime_explain(led: DeviceLedger, cfg: C.RunConfig, reserve_source: str) -
 
 
 def _inference_ledger(
-    ctx: T.RankContext, weights: int, buffers: int, runtime: int, explain: dict, load: dict
+    ctx: T.RankContext, weights: int, buffers: int, runtime: int, explain: dict, noted: dict, load: dict
 ) -> DeviceLedger:
     """Inference: weights + KV cache + the largest transient; no gradients, no optimizer."""
     spec, batch, layers, last = ctx.spec, ctx.batch, ctx.layers, ctx.last
@@ -311,9 +343,11 @@ def _inference_ledger(
     upcast = 4 if cb != 4 else 0  # logits.float() is a no-op on fp32 logits
     loss = tokens * h * cb + tokens * vocab * (cb + upcast + 4) + batch.micro_batch_size * (2 * batch.seq_len + 1) * 8
     if last and loss >= layer:
-        transient, logits = tokens * h * cb + inputs, loss - tokens * h * cb
+        transient = Bytes(("the batch's ids and labels", inputs), ("the final hidden state", tokens * h * cb))
+        logits = loss - tokens * h * cb
     else:
-        transient, logits = layer + inputs, 0
+        transient, logits = Bytes(("the batch's ids and labels", inputs), ("the widest layer's working set", layer)), 0
+    noted |= {"kv_cache": kv, "logits_loss": logits}
     explain["kv_cache"] = (
         f"2 (K,V) x batch {batch.micro_batch_size} x context {batch.seq_len} x {len(layers)} layers "
         f"x {spec.num_kv_heads // tp} KV heads x head_dim {spec.head_dim} x {cb} B"
@@ -333,41 +367,7 @@ def _inference_ledger(
             "buffers": buffers,
         },
     }
-    return _device_ledger(ctx.r, ctx.rank, phases, runtime, explain, {})
-
-
-def kv_cache_bytes(*, batch: int, context: int, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """K and V for every layer: 2 x batch x context x layers x kv_heads x head_dim x bytes."""
-    return 2 * batch * context * layers * kv_heads * head_dim * dtype_bytes
-
-
-def model_state_bytes_per_param(precision: Precision, optimizer: str = "adamw") -> int:
-    """Bytes per trainable parameter held between steps (weights + copy + grads + states).
-
-    amp (fp32 master + autocast copy): 4 + 2 + 4 + 8 = 18, Hugging Face's "Anatomy of a
-    model's memory". fp32: 16. Pure bf16: 2 + 2 + 4 = 8.
-    """
-    states = {"adamw": 2, "sgd": 0, "sgd-momentum": 1}[optimizer] * precision.state_bytes
-    copy = precision.compute_bytes if precision.autocast else 0
-    return precision.param_bytes + copy + precision.grad_bytes + states
-
-
-def zero_model_state_bytes(*, params: int, dp: int, stage: int, k: int = 12, low: int = 2) -> int:
-    """ZeRO model states per GPU (Rajbhandari et al. 2020, Sec. 5.1 / Fig. 1): 16-bit weights and
-    gradients (`low` bytes each), K bytes of fp32 master + Adam states per parameter.
-
-    stage 0: (2 + 2 + K)Ψ; 1: 4Ψ + KΨ/N; 2: 2Ψ + (2 + K)Ψ/N; 3: (4 + K)Ψ/N.
-    """
-    p = params
-    if stage == 0:
-        return (2 * low + k) * p
-    if stage == 1:
-        return 2 * low * p + k * p // dp
-    if stage == 2:
-        return low * p + (low + k) * p // dp
-    if stage == 3:
-        return (2 * low + k) * p // dp
-    raise ValueError(f"ZeRO stage must be 0-3 (got {stage})")
+    return _device_ledger(ctx.r, ctx.rank, phases, runtime, explain, {}, noted=noted)
 
 
 # ---- the whole plan --------------------------------------------------------------------------

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from trainplan.plan import activations as A
+from trainplan.plan.parts import Bytes
 from trainplan.plan.phase import PhaseBill
 from trainplan.plan.tensors import _tp_numel
 from trainplan.plan.terms import (
@@ -35,7 +36,11 @@ def backward_moments(
     if ctx.dims.reshard_after_forward:
         # The root unit is resharded after forward and gathered again as backward starts: its
         # all-gather output buffer and the unsharded parameters exist together for a moment.
-        candidates.append(start.with_(weight_copies=2 * ctx.shards.root_numel * ctx.cb))
+        root = (
+            "the root unit gathered again as backward starts: its all-gather buffer and its parameters",
+            2 * ctx.shards.root_numel * ctx.cb,
+        )
+        candidates.append(start.with_(weight_copies=Bytes(root)))
     if ctx.fused and ctx.layers and ctx.ckpt.layers < len(ctx.layers):  # the top layer is not checkpointed
         top_layer = _top_layer_mlp_backward(ctx, start, end, adapter, grads, acts)
         candidates += [top_layer, _final_norm_backward(ctx, start, top_layer, adapter, grads, acts)]
@@ -49,22 +54,38 @@ def _backward_end(
     # autocast's weight copies are released layer by layer as backward consumes them
     end_copies = start["weight_copies"]
     if ctx.autocast and ctx.full and not ctx.shards.fsdp and ctx.layers:
-        end_copies = autocast_cast_numel(ctx, "cast_in_layer", ctx.layers[0]) * ctx.cb
+        first = autocast_cast_numel(ctx, "cast_in_layer", ctx.layers[0]) * ctx.cb
+        end_copies = Bytes(("autocast's copies of the first layer's weights, the last its backward uses", first))
     comm_end = comm.end
     if ctx.shards.fsdp and ctx.full and ctx.last and ctx.head is not None:
         # FSDP2 reduce-scatters the root unit's gradients in its final callback, after the whole
         # backward: the head's unsharded gradient (compute dtype) is still there at the end.
-        comm_end += ctx.head.numel * ctx.cb
+        comm_end += Bytes(
+            ("the head's unsharded gradient, reduce-scattered after the whole backward", ctx.head.numel * ctx.cb)
+        )
     return PhaseBill(  # the loss's buffers are gone: a moment of its own, not a delta from the start
         weights=start["weights"],
         weight_copies=end_copies,
         adapter=adapter.live + adapter.grads,
-        gradients=max(grads.live_fwd, grads.nbytes - grads.first_layer),
+        gradients=_all_but_first_layer(grads),
         optimizer=start["optimizer"],
-        activations=acts.first_layer_bwd + ctx.in_flight * acts.step_inputs,
+        activations=Bytes((FIRST_LAYER_BWD, acts.first_layer_bwd), acts.inputs),
         buffers=start["buffers"],
         comm_buffers=comm_end,
     )
+
+
+FIRST_LAYER_BWD = (
+    "the first layer's backward: its saved tensors, the MLP's intermediate gradients and the residual's gradient"
+)
+
+
+def _all_but_first_layer(grads: GradTerm) -> int:
+    """Every gradient but the first layer's (and an untied embedding's), still to come; all of them where
+    they persist."""
+    if grads.live_fwd >= grads.nbytes - grads.first_layer:
+        return grads.live_fwd
+    return Bytes(grads.nbytes, ("less the first layer's, not yet formed", -grads.first_layer))
 
 
 def _fsdp_root_reduce(ctx: RankContext, start: PhaseBill, grads: GradTerm, acts: ActTerm) -> PhaseBill:
@@ -76,9 +97,14 @@ def _fsdp_root_reduce(ctx: RankContext, start: PhaseBill, grads: GradTerm, acts:
     root_shard = ctx.shards.root_numel * ctx.prec.grad_bytes // ctx.shards.g
     return start.with_(
         weight_copies=0,
-        gradients=grads.nbytes - (0 if ctx.persistent_grads else root_shard),
-        activations=ctx.in_flight * acts.step_inputs,
-        comm_buffers=ctx.shards.root_numel * (ctx.cb + ctx.prec.grad_bytes),
+        gradients=Bytes(
+            grads.nbytes, ("less the root unit's shard, not yet reduced", -root_shard * (not ctx.persistent_grads))
+        ),
+        activations=acts.inputs,
+        comm_buffers=Bytes(
+            ("the root unit's unsharded gradients", ctx.shards.root_numel * ctx.cb),
+            ("and their reduce-scatter input", ctx.shards.root_numel * ctx.prec.grad_bytes),
+        ),
     )
 
 
@@ -94,12 +120,25 @@ def _embedding_backward(ctx: RankContext, end: PhaseBill, grads: GradTerm, acts:
     emb = emb[0]
     formed = _tp_numel(emb, ctx.tp) * ctx.prec.grad_bytes
     tied = ctx.spec.tie_word_embeddings
-    in_buffers = (3 * formed if tied else 0) + (formed if ctx.persistent_grads and not tied else 0)
+    waiting = (
+        "the head's gradient waiting for the tied embedding's, the embedding's, and their sum",
+        3 * formed * tied,
+    )
     return end.with_(
         weight_copies=0,  # every layer's backward has consumed its casts
-        gradients=grads.nbytes - (formed if tied and not ctx.persistent_grads else 0),
-        activations=ctx.in_flight * acts.step_inputs + in_buffers,
+        gradients=Bytes(
+            grads.nbytes, ("less the tied embedding's, counted below", -formed * (tied and not ctx.persistent_grads))
+        ),
+        activations=Bytes(
+            acts.inputs,
+            waiting,
+            ("the embedding's gradient formed beside the bucket's", formed * (ctx.persistent_grads and not tied)),
+        ),
     )
+
+
+def _micro(ctx: RankContext) -> str:
+    return f", x {ctx.in_flight} micro-batches in flight" if ctx.in_flight > 1 else ""
 
 
 def _top_layer_mlp_backward(
@@ -112,26 +151,37 @@ def _top_layer_mlp_backward(
     formed = ctx.tensors.numel("top_down", ctx.tp, ctx.shards.g) if ctx.full else 0  # final norm, top down_proj
     formed_bytes = formed * ctx.prec.grad_bytes
     top_down_in = tokens * inter * cb if ctx.full else 0
-    gradients = grads.live_fwd if ctx.persistent_grads and ctx.full else grads.head + formed_bytes
+    head_and_top = Bytes(
+        ("the head's gradient", grads.head), ("the final norm's and the top down projection's", formed_bytes)
+    )
+    gradients = grads.live_fwd if ctx.persistent_grads and ctx.full else head_and_top
     comm = start["comm_buffers"]  # no unit has finished its backward yet
     if ctx.shards.fsdp and ctx.full:  # gradients unsharded, in the compute dtype, till their reduce-scatter
         gradients = 0
-        comm += (ctx.head.numel + ctx.tensors.numel("top_down", 1)) * cb  # unsharded
+        unsharded = (ctx.head.numel + ctx.tensors.numel("top_down", 1)) * cb
+        comm += Bytes(("the head's, final norm's and top down projection's unsharded gradients", unsharded))
     copies = start["weight_copies"]
     if ctx.dims.reshard_after_forward and len(ctx.layers) > 1:
-        copies += ctx.shards.unit_numel * cb  # the next unit, prefetched
-    activations = (
-        ctx.in_flight * (acts.saved_layers + acts.step_inputs)
-        + acts.layer_on_device  # offloaded: the top layer's saved tensors, back on the device
-        - top_down_in
-        + 3 * tokens * inter * cb
-        + acts.layer_in
+        copies += Bytes(("the next unit, prefetched", ctx.shards.unit_numel * cb))
+    saved = Bytes(
+        (f"every layer's saved tensors{_micro(ctx)}", ctx.in_flight * acts.saved_layers),
+        acts.inputs,
+        ("the top layer's saved tensors, back on the device (offloaded)", acts.layer_on_device),
+        ("the residual stream's gradient", acts.layer_in),
+    )
+    activations = Bytes(
+        saved,
+        ("less the top down projection's input, released by its backward", -top_down_in),
+        ("the MLP's intermediate gradients (d product, d act, d up)", 3 * tokens * inter * cb),
     )
     if ctx.spec.mlp.num_experts:  # the MoE block's own widest moment (no down_proj module: `formed` holds norms only)
         released, temps, expert_grad = moe_backward(ctx)
-        activations = ctx.in_flight * (acts.saved_layers + acts.step_inputs) - released + temps
-        activations += acts.layer_in + acts.layer_on_device
-        gradients += expert_grad
+        activations = Bytes(
+            saved,
+            ("less what the MoE block's backward has released", -released),
+            ("the MoE block's backward temporaries at its widest", temps),
+        )
+        gradients += Bytes(("the expert down projection's gradient", expert_grad))
     return end.with_(
         gradients=gradients,
         adapter=adapter.live + (adapter.grads if ctx.persistent_grads else 0),
@@ -154,19 +204,24 @@ def _final_norm_backward(
     # fp32 (tokens x hidden) temporaries, 2 when the residual stream is fp32 and 4 when it is
     # upcast or under LoRA (counted on the trace, transformers 5.24's LlamaRMSNorm).
     temps = 4 if (ctx.residual != 4 or not ctx.full) else 2
-    gradients = grads.live_fwd if ctx.persistent_grads and ctx.full else grads.head
+    gradients = grads.live_fwd if ctx.persistent_grads and ctx.full else Bytes(("the head's gradient", grads.head))
     comm = start["comm_buffers"]
     if ctx.shards.fsdp and ctx.full:
         gradients = 0
-        comm += ctx.head.numel * ctx.cb
+        comm += Bytes(("the head's unsharded gradient", ctx.head.numel * ctx.cb))
     norm_bwd = top_layer.with_(
         gradients=gradients,
         weight_copies=start["weight_copies"],
         comm_buffers=comm,
-        activations=ctx.in_flight * (acts.saved_layers + acts.step_inputs)
-        + A.total(acts.head_saved)
-        + ctx.tokens * ctx.spec.hidden_size * (ctx.residual + temps * 4),
+        activations=Bytes(
+            (f"every layer's saved tensors{_micro(ctx)}", ctx.in_flight * acts.saved_layers),
+            acts.inputs,
+            ("the final norm's and the head's saved tensors", A.total(acts.head_saved)),
+            ("the hidden state's gradient", ctx.tokens * ctx.spec.hidden_size * ctx.residual),
+            (f"the norm's {temps} fp32 temporaries", ctx.tokens * ctx.spec.hidden_size * temps * 4),
+        ),
     )
     if not ctx.full and not ctx.persistent_grads:
-        norm_bwd = norm_bwd.with_(adapter=adapter.live + adapter.grads // len(ctx.layers))
+        one = ("one layer's adapter gradients", adapter.grads // len(ctx.layers))
+        norm_bwd = norm_bwd.with_(adapter=adapter.live + Bytes(one))
     return norm_bwd

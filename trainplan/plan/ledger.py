@@ -10,6 +10,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from trainplan.plan.parts import parts_of
 from trainplan.spec.devices import DeviceSpec, GiB, gib  # noqa: F401 -- gib: callers take it from here
 
 SCHEMA = "trainplan.plan/1"
@@ -59,6 +60,9 @@ class DeviceLedger:
     allocator_mode: str = "default"
     safety_margin: float = 0.0
     explain: dict[str, str] = field(default_factory=dict)
+    # the bytes each component's note explains: a figure at the peak that is not this, or not a
+    # plan/phase.Bytes naming its terms, is one the why line cannot account for (tests/plan/test_why_sums.py)
+    noted: dict[str, int] = field(default_factory=dict)
     details: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
     ranks: list[int] = field(default_factory=list)
     offload_bytes: int = 0  # what this rank keeps in host memory (optimizer offload)
@@ -177,6 +181,26 @@ class DeviceLedger:
 
         return device_state(self)
 
+    def why_parts(self, component: str) -> tuple[tuple[str | None, int], ...]:
+        """The terms of a component's figure at the peak (plan/phase.Bytes); None: the note's own term."""
+        return parts_of(self.components[component])
+
+    def why_lines(self) -> list[tuple[str, str]]:
+        """(component, its why with its figure and, where it has several, every term) at the peak."""
+        out = []
+        for c in COMPONENTS:
+            figure = self.components[c]
+            if not figure or c not in self.explain:
+                continue
+            text = f"{gib(figure)}: {self.explain[c]}"
+            parts = self.why_parts(c)
+            if parts != ((None, figure),):
+                terms = [f"{gib(abs(n))} {label or 'of these'}" for label, n in parts]
+                signs = ["- " if n < 0 else "+ " for _, n in parts]
+                text += "; the terms: " + " ".join(s + t for s, t in zip(signs, terms, strict=True)).removeprefix("+ ")
+            out.append((c, text))
+        return out
+
     @property
     def largest_component(self) -> str:
         comps = self.components
@@ -218,6 +242,11 @@ class DeviceLedger:
             "state": self.state,
             "largest_component": self.largest_component,
             "explain": self.explain,
+            "why": {
+                c: [{"term": label or "as explained", "bytes": n} for label, n in self.why_parts(c)]
+                for c in COMPONENTS
+                if self.components[c]
+            },
             "details": {k: [{"name": n, "bytes": b} for n, b in v] for k, v in self.details.items()},
         } | ({"offloaded_activation_bytes": self.offloaded_activation_bytes} if self.offloaded_activation_bytes else {})
 
@@ -357,13 +386,9 @@ def render_table(ledger: Ledger, *, terminal: bool = False) -> str:
     )
     first = cols[0][1]
     why = [f"Why ({first.label}, {first.peak_phase} peak):"]
-    if first.peak_phase in first.explain:
+    if first.peak_phase in first.explain and first.peak_phase not in COMPONENTS:  # a phase's own note
         why.append(wrap(f"{first.peak_phase}: {first.explain[first.peak_phase]}", indent="  ", width=width))
-    why += [
-        wrap(f"{c}: {first.explain[c]}", indent="  ", width=width)
-        for c in COMPONENTS
-        if first.components[c] and c in first.explain
-    ]
+    why += [wrap(f"{c} {text}", indent="  ", width=width) for c, text in first.why_lines()]
     out = [wrap(head, width=width), "", render(t, terminal=terminal), "", wrap(ledger.verdict(), width=width), ""]
     if ledger.next_step:
         out += [wrap(ledger.next_step["text"], width=width), ""]
@@ -405,7 +430,7 @@ def render_markdown(ledger: Ledger) -> str:
     if not ledger.runnable["ok"]:
         out += [plan_only_text(ledger), ""]
     first = cols[0][1]
-    out += [f"- **{c}**: {first.explain[c]}" for c in COMPONENTS if first.components[c] and c in first.explain]
+    out += [f"- **{c}** {text}" for c, text in first.why_lines()]
     if ledger.notes:
         out += [""] + [f"> {n}" for n in ledger.notes]
     return "\n".join(out) + "\n"

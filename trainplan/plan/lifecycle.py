@@ -22,6 +22,7 @@ maximum over the whole run and names the phase where it peaks. Imports no torch.
 from __future__ import annotations
 
 from trainplan.plan import terms as T
+from trainplan.plan.parts import Bytes
 from trainplan.plan.tensors import NF4_BYTES, NF4_CONSTANTS_BYTES
 
 # DTensor.full_tensor() while get_model_state_dict gathers one tensor: the all-gather's output, the
@@ -57,7 +58,8 @@ def load(ctx: T.RankContext, weights: T.Term, adapter: T.AdapterTerm, buffers: i
     else:
         in_flight = 0
         note = "copied from the memory-mapped file straight into each parameter: nothing beside the model"
-    phase = {"weights": weights.nbytes, "weight_copies": in_flight, "adapter": adapter.weights, "buffers": buffers}
+    copies = Bytes((f"the load's tensor in flight: {note}", in_flight))
+    phase = {"weights": weights.nbytes, "weight_copies": copies, "adapter": adapter.weights, "buffers": buffers}
     return phase, note
 
 
@@ -105,8 +107,11 @@ def evaluate(
         "adapter": adapter.live,
         "gradients": _between_steps(ctx, grads),
         "optimizer": opt.states,
-        "activations": inputs + (0 if loss >= layer else layer),
-        "logits_loss": loss if loss >= layer else 0,
+        "activations": Bytes(
+            ("the held-out batch's ids and labels", inputs),
+            ("the widest layer's working set under no_grad", 0 if loss >= layer else layer),
+        ),
+        "logits_loss": Bytes(("the evaluation's loss moment under no_grad", loss if loss >= layer else 0)),
         "buffers": buffers,
         "comm_buffers": comm.steady,
     }
@@ -150,7 +155,7 @@ def save(
             )
     phase = {
         "weights": weights.nbytes,
-        "weight_copies": gathered,
+        "weight_copies": Bytes((f"saving: {note}", gathered)),
         "adapter": adapter.weights + adapter.states,
         "gradients": _between_steps(ctx, grads),
         "optimizer": opt.states,

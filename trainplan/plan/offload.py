@@ -6,6 +6,7 @@ from __future__ import annotations
 from trainplan import config as C
 from trainplan import features
 from trainplan.plan.ledger import DeviceLedger
+from trainplan.plan.parts import Bytes
 from trainplan.spec.devices import DeviceSpec, host_memory_bytes, parse_size
 
 
@@ -15,8 +16,8 @@ def host_ledger(cfg: C.RunConfig, ledgers: list[DeviceLedger], *, fsdp2: bool) -
     bytes, which include the step's temporaries: their sum bounds the host's peak from above."""
     host_cap = parse_size(cfg.hardware.host_mem, "hardware.host_mem") if cfg.hardware.host_mem else host_memory_bytes()
     host_dev = DeviceSpec(name="host RAM", kind="cpu", capacity_bytes=host_cap, bf16=True, peak_tflops=None)
-    offloaded = sum(led.offload_bytes for led in ledgers)
-    activations = sum(led.host_activation_bytes for led in ledgers)
+    offloaded = Bytes(*(led.offload_bytes for led in ledgers)).merged()
+    activations = Bytes(("every rank's offloaded saved tensors", sum(led.host_activation_bytes for led in ledgers)))
     explain = {}
     if offloaded:
         explain["optimizer"] = (

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from trainplan.plan.ledger import COMPONENTS
+from trainplan.plan.parts import Bytes, Part
 
 _BILLED = frozenset(COMPONENTS) - {"runtime", "allocator_reserve"}  # those two the ledger adds itself
 
@@ -42,9 +43,9 @@ class PhaseBill(Mapping[str, int]):
         """This moment with the named components at new values (added where the moment lacked them)."""
         return PhaseBill(self._bytes, **changes)
 
-    def plus(self, **more: int) -> PhaseBill:
-        """This moment with the named components grown by the given bytes."""
-        return PhaseBill(self._bytes, **{c: self._bytes.get(c, 0) + n for c, n in more.items()})
+    def plus(self, **more: Part) -> PhaseBill:
+        """This moment with the named components grown by a named term each: plus(gradients=("why", n))."""
+        return PhaseBill(self._bytes, **{c: Bytes(self._bytes.get(c, 0), part) for c, part in more.items()})
 
     def without(self, *components: str) -> PhaseBill:
         """The moment with the named components at zero where it lists them (what moved elsewhere)."""

@@ -13,6 +13,7 @@ from trainplan import features
 from trainplan.plan import activations as A
 from trainplan.plan.context import RankContext
 from trainplan.plan.ledger import gib
+from trainplan.plan.parts import Bytes
 from trainplan.plan.tensors import (
     NF4_BYTES,
     NF4_CONSTANTS_BYTES,
@@ -109,12 +110,12 @@ def weight_copies(ctx: RankContext) -> Term:
 
 
 class AdapterTerm(NamedTuple):
-    """LoRA adapters (fp32): weights, gradients, optimizer states and autocast's copy."""
+    """LoRA adapters (fp32): weights, gradients, optimizer states and autocast's copy, each a named term."""
 
-    weights: int
-    grads: int
-    states: int
-    copy: int
+    weights: Bytes
+    grads: Bytes
+    states: Bytes
+    copy: Bytes
     note: str | None
 
     @property
@@ -151,11 +152,15 @@ def adapter(ctx: RankContext) -> AdapterTerm:
             "fp32 params, with their gradients and optimizer states"
         )
     return AdapterTerm(
-        weights=-(-n_adapter // ctx.shards.w) * 4,
+        weights=Bytes(("the adapters' fp32 weights", -(-n_adapter // ctx.shards.w) * 4)),
         # step in backward: one adapter tensor's gradient at a time, the largest
-        grads=lora_numel(ctx, largest=True) * 4 if in_bwd else -(-n_adapter // ctx.shards.g) * 4,
-        states=states,
-        copy=n_adapter * ctx.cb if ctx.prec.autocast else 0,
+        grads=Bytes(
+            ("the largest adapter's gradient, one at a time", lora_numel(ctx, largest=True) * 4)
+            if in_bwd
+            else ("their gradients", -(-n_adapter // ctx.shards.g) * 4)
+        ),
+        states=Bytes(("their optimizer states", states)),
+        copy=Bytes(("autocast's copy of them", n_adapter * ctx.cb if ctx.prec.autocast else 0)),
         note=note,
     )
 
@@ -277,27 +282,35 @@ def _opt_bytes(ctx: RankContext, key: tuple, compute) -> int:
 
 
 class CommTerm(NamedTuple):
-    steady: int  # forward and the start of backward
-    end: int  # once layers have run their backward
+    steady: Bytes  # forward and the start of backward
+    end: Bytes  # once layers have run their backward
     note: str | None
 
 
 def comm_buffers(ctx: RankContext, grads: int) -> CommTerm:
     """Pipeline send/recv buffers and the gradient reduction's buffers. `grads`: the rank's gradients."""
-    steady = 0
-    if ctx.dims.pp > 1:
-        steady = 2 * ctx.tokens * ctx.spec.hidden_size * ctx.residual
+    steady = Bytes(
+        (
+            "pipeline send and receive buffers",
+            2 * ctx.tokens * ctx.spec.hidden_size * ctx.residual if ctx.dims.pp > 1 else 0,
+        )
+    )
     end, note = steady, None
     if ctx.dims.reshard_after_forward:
         # the unsharded gradient of a layer before its reduce-scatter: only once layers run backward
         unit_grads = ctx.shards.unit_numel * ctx.prec.grad_bytes if ctx.full else 0
-        end += unit_grads
+        end += Bytes(("one FSDP unit's unsharded gradient before its reduce-scatter", unit_grads))
         if unit_grads:
             note = "the unsharded gradient of one FSDP unit before its reduce-scatter"
     elif ctx.dims.keeps_grad_partition and ctx.full:  # ZeRO-2 reduces into its partition a bucket at a time
-        end += min(ZERO2_BUCKET_BYTES, grads * ctx.shards.g)
+        end += Bytes(("one 25 MiB gradient bucket being reduced", min(ZERO2_BUCKET_BYTES, grads * ctx.shards.g)))
         note = "one 25 MiB gradient bucket being reduced"
+    if steady and not note:
+        note = "pipeline send and receive buffers"
     return CommTerm(steady=steady, end=end, note=note)
+
+
+BUFFERS_NOTE = "registered module buffers: the rotary embedding's inv_freq and its original, in fp32"
 
 
 def buffers(ctx: RankContext) -> int:
@@ -334,6 +347,7 @@ class ActTerm(NamedTuple):
     kept: int  # what a checkpointed layer keeps: its input, and under selective checkpointing its matmul outputs
     step_inputs: int
     note: str
+    inputs: Bytes = Bytes()  # every micro-batch in flight's step inputs, named
     # memory.offload_activations: what the hooks pass to the host per step (the layers not checkpointed;
     # on the CPU they stay, the host being the device), and what that holds in host memory
     offloaded: int = 0
@@ -373,8 +387,9 @@ def activations(ctx: RankContext) -> ActTerm:
                     host += _pinned(_layer_saved(ctx, input_requires_grad=False))
                 host *= in_flight
     head_saved = A.head_saved(spec, act, lm_head_trainable=ctx.full and not ctx.fused) if ctx.last else []
-    fwd = in_flight * (saved_layers + A.total(head_saved))
-    bwd = fwd  # recomputation starts after the loss's backward; see backward_moments
+    micro = f", x {in_flight} micro-batches in flight" if in_flight > 1 else ""
+    layers_saved = Bytes((f"the layers' saved tensors{micro}", in_flight * saved_layers))
+    head_part = Bytes((f"the final norm's and the head's saved tensors{micro}", in_flight * A.total(head_saved)))
     top = ctx.saved["largest"]
     plain = (
         f"{gib(per_layer_bytes)} saved per layer (micro-batch {batch.micro_batch_size}, seq {batch.seq_len}) x "
@@ -405,12 +420,14 @@ def activations(ctx: RankContext) -> ActTerm:
             else f"; offloaded: the saved tensors of {moved} are in host memory, one layer's on the device at a time"
         )
     step_inputs = A.step_inputs_bytes(spec, act)
-    fwd += in_flight * step_inputs
-    bwd += in_flight * step_inputs
+    inputs = Bytes((f"the step's ids, labels and rotary tables{micro}", in_flight * step_inputs))
+    bwd = layers_saved + head_part + inputs  # recomputation starts after the loss's backward; see backward_moments
     # lm_head saved a cast, or nothing: the final hidden state is still referenced by the model
     # output during the loss
-    if ctx.last and (ctx.autocast or not ctx.full or ctx.fused):
-        fwd += ctx.tokens * spec.hidden_size * ctx.residual
+    hidden = (
+        ctx.tokens * spec.hidden_size * ctx.residual if ctx.last and (ctx.autocast or not ctx.full or ctx.fused) else 0
+    )
+    fwd = bwd + Bytes(("the final hidden state, still referenced by the model output", hidden))
     return ActTerm(
         fwd=fwd,
         bwd=bwd,
@@ -422,6 +439,7 @@ def activations(ctx: RankContext) -> ActTerm:
         kept=kept,
         step_inputs=step_inputs,
         note=note,
+        inputs=inputs,
         offloaded=offloaded,
         host=host,
         layer_on_device=layer_on_device,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from trainplan.plan import activations as A
 from trainplan.plan.context import RankContext
+from trainplan.plan.parts import Bytes
 from trainplan.plan.phase import PhaseBill, StepBill
 from trainplan.plan.terms import RankTerms
 
@@ -18,7 +19,12 @@ def adjust(ctx: RankContext, bill: StepBill, terms: RankTerms) -> StepBill:
     if not acts.layer_on_device:  # off, or on the CPU, where the host is the device
         return bill
     forward = PhaseBill(bill.phases["forward"])
-    forming = forward.with_(logits_loss=0).plus(
-        activations=acts.layer_on_device - ctx.in_flight * A.total(acts.head_saved)
+    forming = forward.with_(
+        logits_loss=0,
+        activations=forward["activations"]
+        + Bytes(
+            ("the top layer's saved tensors, on the device while it forms", acts.layer_on_device),
+            ("less the head's, not yet saved", -ctx.in_flight * A.total(acts.head_saved)),
+        ),
     )
     return bill.with_phase("forward", max(forward, forming, key=lambda c: c.total))

@@ -4,6 +4,7 @@ bills it), and backward gains a moment of its own, the top checkpointed layer's 
 from __future__ import annotations
 
 from trainplan.plan.context import RankContext
+from trainplan.plan.parts import Bytes
 from trainplan.plan.phase import PhaseBill, StepBill
 from trainplan.plan.terms import ActTerm, AdapterTerm, GradTerm, RankTerms, casts_kept_by_checkpointing
 
@@ -24,20 +25,27 @@ def _recompute(
     tensors are released and their gradients formed."""
     top = ctx.layers[ctx.ckpt.layers - 1]
     if ctx.ckpt.layers == len(ctx.layers):  # every layer of the stage: only the head's gradient exists yet
-        gradients = grads.live_fwd + (grads.head if ctx.full and ctx.last else 0)
+        gradients = Bytes(grads.live_fwd, ("the head's gradient", grads.head if ctx.full and ctx.last else 0))
     elif ctx.full and not ctx.persistent_grads:  # all but those of the layers below, `top` included
         unformed = ctx.tensors.numel(("below", top + 1), ctx.tp, ctx.shards.g) * ctx.prec.grad_bytes
-        gradients = grads.nbytes - unformed
+        gradients = Bytes(grads.nbytes, ("less those of the layers below, not yet formed", -unformed))
     else:
         gradients = grads.live_fwd
     copies = start["weight_copies"]
     if ctx.autocast and ctx.full and not ctx.shards.fsdp:  # the recomputed layer's casts, made again
-        copies = casts_kept_by_checkpointing(ctx, top, plain_layers=False)
+        kept = casts_kept_by_checkpointing(ctx, top, plain_layers=False)
+        copies = Bytes(("autocast's copies outside the checkpoints, and the recomputed layer's made again", kept))
     return end.with_(
         gradients=gradients,
         adapter=adapter.live + (adapter.grads if ctx.persistent_grads else 0),
         weight_copies=copies,
-        activations=acts.first_layer_bwd
-        + ctx.in_flight * acts.step_inputs
-        + ctx.in_flight * (ctx.ckpt.layers - 1) * acts.kept,
+        activations=Bytes(
+            (
+                "the recomputed layer's backward: its saved tensors, the MLP's intermediate gradients and the "
+                "residual's gradient",
+                acts.first_layer_bwd,
+            ),
+            acts.inputs,
+            ("what the checkpointed layers below keep", ctx.in_flight * (ctx.ckpt.layers - 1) * acts.kept),
+        ),
     )

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from trainplan.features import optimizer_offload
 from trainplan.plan import terms as T
 from trainplan.plan.context import RankContext
+from trainplan.plan.parts import Bytes
 from trainplan.plan.phase import PhaseBill, StepBill
 
 
@@ -25,7 +26,12 @@ def on_host(
     host_bytes = 0
     offload = how(ctx)
     if offload == "zero-offload":  # states, step temporaries and a gradient copy move to the host
-        host_bytes = opt.states + opt.temp + grads.nbytes + adapter.states
+        host_bytes = Bytes(
+            ("optimizer states", opt.states),
+            ("step temporaries", opt.temp),
+            ("a gradient copy", grads.nbytes),
+            ("the adapters' optimizer states", adapter.states),
+        )
         explain["optimizer"] = "offloaded to host memory (see the host column)"
         opt, adapter = opt._replace(states=0, temp=0), adapter._replace(states=0)
     elif offload == "fsdp2":
@@ -34,7 +40,13 @@ def on_host(
         pinned_weights, pinned_grads = T.pinned_fsdp_shards(ctx)
         if T.in_backward(ctx):  # a gradient hook reads each gradient at once: FSDP2 copies it pageable
             pinned_grads = grads.nbytes + adapter.grads
-        host_bytes = pinned_weights + pinned_grads + host_opt.states + host_opt.temp + adapter.states
+        host_bytes = Bytes(
+            ("parameter shards", pinned_weights),
+            ("gradient shards", pinned_grads),
+            ("optimizer states", host_opt.states),
+            ("step temporaries", host_opt.temp),
+            ("the adapters' optimizer states", adapter.states),
+        )
         for key in ("weights", "gradients", "optimizer", "optimizer_temp"):
             explain[key] = "this rank's shard is in host memory (FSDP2 CPUOffloadPolicy; see the host column)"
     elif offload == "none on the CPU":
@@ -69,5 +81,6 @@ def _on_device(ctx: RankContext, phase: Mapping[str, int], adapter: T.AdapterTer
     if "adapter" in out:
         out = out.with_(adapter=adapter.copy)
     if out.get("weight_copies"):
-        out = out.plus(weight_copies=-(-ctx.shards.unit_numel // ctx.shards.w) * ctx.prec.param_bytes)
+        shard = -(-ctx.shards.unit_numel // ctx.shards.w) * ctx.prec.param_bytes
+        out = out.plus(weight_copies=("the unit's shard, copied to the device for its all-gather", shard))
     return out

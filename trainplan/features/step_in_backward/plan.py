@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from trainplan.features import step_in_backward
 from trainplan.plan.context import RankContext
+from trainplan.plan.parts import Bytes
 from trainplan.plan.phase import PhaseBill, StepBill
 from trainplan.plan.tensors import _tp_numel
 from trainplan.plan.terms import ActTerm, GradTerm, RankTerms, optimizer
@@ -32,7 +33,11 @@ def _moments(
         # a tied head's gradient is no parameter's .grad until the embedding's backward adds to it: it
         # waits in autograd's input buffer, where the gradients' update has not freed it
         waiting = min(gradients, tied_head)
-        return moment.with_(gradients=gradients - waiting, activations=moment["activations"] + waiting)
+        return moment.with_(
+            gradients=Bytes(gradients, ("less the tied head's, counted under activations", -waiting)),
+            activations=moment["activations"]
+            + Bytes(("the tied head's gradient, in autograd's input buffer", waiting)),
+        )
 
     candidates = [one_gradient(m) for m in candidates]
     start, end = candidates[0], candidates[1]
@@ -40,11 +45,16 @@ def _moments(
     last = end.with_(gradients=grads.nbytes, optimizer_temp=temp)
     embedding = ctx.tensors.select("embedding")
     if ctx.full and ctx.first and embedding and _tp_numel(embedding[0], ctx.tp) == ctx.tensors.largest("held", ctx.tp):
-        last = last.with_(activations=ctx.in_flight * acts.step_inputs, weight_copies=0)
+        last = last.with_(activations=acts.inputs, weight_copies=0)
     steps = [last]
     if ctx.full and ctx.last and ctx.head is not None and not ctx.spec.tie_word_embeddings and grads.nbytes:
         head_grad = _tp_numel(ctx.head, ctx.tp) * ctx.prec.grad_bytes
-        steps.append(start.with_(gradients=head_grad, optimizer_temp=temp * head_grad // grads.nbytes))
+        steps.append(
+            start.with_(
+                gradients=Bytes(("the head's gradient, updated first", head_grad)),
+                optimizer_temp=Bytes(("the head's update's temporaries", temp * head_grad // grads.nbytes)),
+            )
+        )
     # first: the embedding's update holds as much as its backward did (its gradient and two
     # temporaries for the head's, the embedding's and their sum), and a tie goes to the first listed
     return (candidates[0], *steps, *candidates[1:])
