@@ -10,7 +10,7 @@ import logging
 import sys
 
 from trainplan.errors import EXIT_BAD_INPUT, EXIT_CODES_HELP, EXIT_INTERNAL, EXIT_STOPPED, TrainplanError
-from trainplan.text import ascii_float, ascii_int
+from trainplan.text import ascii_float, ascii_int, error_lines
 
 # name -> module under trainplan/commands/, in the order `trainplan --help` lists them
 COMMANDS: dict[str, str] = {
@@ -39,7 +39,8 @@ class Parser(argparse.ArgumentParser):
     """argparse with a one-line error (its default prints the whole usage first)."""
 
     def error(self, message: str):
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+        line = " ".join(error_lines(message))
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {line}; see {self.prog} --help\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args._run(args)
     except TrainplanError as e:  # one line a problem (a config can have several)
-        for line in str(e).splitlines():
+        for line in error_lines(str(e)):
             print(f"trainplan {args.command}: error: {line}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training loop

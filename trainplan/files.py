@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import math
 import os
 import shutil
 import tempfile
@@ -202,6 +204,72 @@ def parse_nested(parse, text: str, field: str, what: str):
     if depth > MAX_NESTING:
         raise ConfigError(field, f"{what} is nested too deeply", f"a valid file nests at most {MAX_NESTING} levels")
     return value
+
+
+MAX_JSON_BYTES = 64 * 2**20  # a record, a checkpoint's state or manifest, a config.json: kilobytes
+
+
+def read_json(path: Path, field: str, *, max_bytes: int = MAX_JSON_BYTES):
+    """The JSON document in a file trainplan reads back (a run's record, a checkpoint's state): size and
+    nesting bounded before and while parsing, UTF-8 only. A bad file is a ConfigError naming `field`
+    and the file; the caller checks the shape it needs."""
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise ConfigError(field, f"{str(path)!r} is {size:,} bytes, not a trainplan file", "give the file it wrote")
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(field, f"{str(path)!r} is not UTF-8 text", "give the file trainplan wrote") from None
+    except OSError as e:
+        raise ConfigError(field, f"cannot read {str(path)!r} ({e.strerror})", "give a readable file") from None
+    try:
+        return parse_nested(json.loads, text, field, repr(str(path)))
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(
+            field, f"{str(path)!r} is not valid JSON ({str(e)[:80]})", "give the file trainplan wrote"
+        ) from None
+
+
+# bytes per element of every dtype the safetensors format names
+SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2}
+SAFETENSORS_DTYPES |= {"BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+MAX_SAFETENSORS_HEADER = 100 * 2**20  # the format's own limit
+
+
+def safetensors_header(path: Path) -> tuple[dict, int, int]:
+    """The tensors a .safetensors file declares, checked before anything trusts them: (entries,
+    data_start, file size). Format: an 8-byte little-endian header length, a JSON object of
+    {name: {dtype, shape, data_offsets}} (and "__metadata__"), then the data. Each entry has a known
+    dtype, a shape of counts, and offsets inside the data that its shape fills exactly. A ValueError
+    says what is wrong."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 2 <= n <= min(size - 8, MAX_SAFETENSORS_HEADER):
+            raise ValueError(f"its header length ({n}) does not fit the file ({size} bytes)")
+        try:
+            header = parse_nested(json.loads, f.read(n).decode("utf-8"), path.name, "its header")
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"its header is not readable JSON ({str(e).split(';')[0][:80]})") from None
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    data = size - 8 - n
+    for name, t in entries.items():
+        label = repr(str(name)[:60])
+        if not isinstance(t, dict) or t.get("dtype") not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {label} has no known dtype")
+        shape, offsets = t.get("shape"), t.get("data_offsets")
+        counts = isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+        spans = isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+        if not (counts and spans and 0 <= offsets[0] <= offsets[1] <= data):
+            raise ValueError(f"tensor {label} has a bad shape or data offsets")
+        if offsets[1] - offsets[0] != math.prod(shape) * SAFETENSORS_DTYPES[t["dtype"]]:
+            raise ValueError(f"tensor {label} holds {offsets[1] - offsets[0]} bytes for its shape {shape}")
+    return entries, 8 + n, size
 
 
 def nesting(value, limit: int = MAX_NESTING) -> int:

@@ -42,6 +42,32 @@ def printable(text: object) -> str:
     return _CONTROL.sub("?", str(text))
 
 
+ECHO = 120  # the most of one piece of user text an error message repeats
+_LONG_WORD = re.compile(rf"\S{{{ECHO + 1},}}")
+MAX_ERROR_LINES = 5  # a config with many problems: the first ones, and how many more
+
+
+def escaped(text: object) -> str:
+    """Control characters as escapes (ESC is "\\x1b"): user text reaches the terminal inert and readable."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), str(text)).replace("\n", "\\n")
+
+
+def clip(text: object, limit: int = ECHO) -> str:
+    """User text as an error repeats it: escaped, and cut at `limit` characters with "…"."""
+    s = escaped(text)
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def error_lines(message: str) -> list[str]:
+    """An error's lines as printed: control characters escaped, every run of more than ECHO characters
+    without a space (an echoed key, value or path) cut with "…", and past MAX_ERROR_LINES lines, a count."""
+    lines = [_LONG_WORD.sub(lambda m: m.group()[: ECHO - 1] + "…", escaped(line)) for line in message.splitlines()]
+    if len(lines) > MAX_ERROR_LINES:
+        more = len(lines) - MAX_ERROR_LINES + 1
+        lines = [*lines[: MAX_ERROR_LINES - 1], f"and {more:,} more problems of the same input"]
+    return lines or [""]
+
+
 def md(text: object) -> str:
     """A user string inside Markdown: no raw HTML, no markup, no control characters."""
     s = printable(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

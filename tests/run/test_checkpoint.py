@@ -104,6 +104,40 @@ def test_damaged_checkpoints_are_skipped_with_the_reason(tiny_run, tmp_path, thr
     assert record["resume"]["from"] is None and len(record["resume"]["skipped"]) == 3  # started afresh, said why
 
 
+def _rewrite(step_dir, name, data: bytes):
+    """Replace one part of a checkpoint and redo its manifest entry: the sums agree, the content lies."""
+    (step_dir / name).write_bytes(data)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest["parts"][name] = {"bytes": len(data), "sha256": sha256_file(step_dir / name)}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_whose_sums_agree_but_whose_files_are_malformed_is_skipped(tiny_run, tmp_path, three_checkpoints):
+    """A safetensors header that promises bytes the file lacks, or a state.json that is not an object,
+    written with matching checksums: resume=auto once crashed in the loader on them. Now each is skipped
+    with its reason, and the run resumes from the newest checkpoint that is sound."""
+    ck = three_checkpoints
+    weights = ck / "step-00000003" / "model.safetensors"
+    raw = weights.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["shape"] = [d * 2 for d in header[name]["shape"]]  # twice the bytes its offsets hold
+    head = json.dumps(header).encode()
+    _rewrite(ck / "step-00000003", "model.safetensors", len(head).to_bytes(8, "little") + head + raw[8 + n :])
+    _rewrite(ck / "step-00000002", "state.json", b"[1, 2, 3]")
+    path, skipped = checkpoint.latest_valid(ck)
+    assert path.name == "step-00000001"
+    assert skipped[0][0] == "step-00000003" and "model.safetensors: tensor" in skipped[0][1]
+    assert "bytes for its shape" in skipped[0][1]
+    assert skipped[1] == ("step-00000002", "state.json is not a JSON object")
+    record = run(
+        tiny_run, tmp_path / "b", "mode=lora", "train.steps=4", f"checkpoint.dir={ck}", "checkpoint.resume=auto"
+    )
+    assert record["resume"]["step"] == 1 and [s["step"] for s in record["steps"]] == [2, 3, 4]
+    assert [s["checkpoint"] for s in record["resume"]["skipped"]] == ["step-00000003", "step-00000002"]
+
+
 class _Exploit:
     def __reduce__(self):
         return (os.system, ("touch /tmp/trainplan-pwned",))

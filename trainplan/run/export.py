@@ -27,7 +27,7 @@ from trainplan import config as C
 from trainplan.errors import ConfigError
 from trainplan.features import lora
 from trainplan.features.lora.engine import apply_mode
-from trainplan.files import atomic_dir
+from trainplan.files import atomic_dir, read_json
 from trainplan.resolve import resolve
 from trainplan.run import checkpoint, converter, generate, weights
 from trainplan.run.checkpoint.manager import model_fingerprint
@@ -65,7 +65,13 @@ def locate(path: Path, field: str) -> Source:
             raise ConfigError(
                 field, f"checkpoint {str(path)!r} is not usable: {reason}", "give another (an older) checkpoint"
             )
-        state = json.loads((path / "state.json").read_text())
+        state = json.loads((path / "state.json").read_text())  # validate() read and checked it
+        if "config" not in state:
+            raise ConfigError(
+                field,
+                f"checkpoint {str(path)!r} does not hold its run's config",
+                "give a checkpoint `trainplan train` wrote",
+            )
         return Source(kind="checkpoint", path=path, mode=state["mode"], config=state["config"])
     if (path / DIRNAME).is_dir():
         path = path / DIRNAME
@@ -76,7 +82,7 @@ def locate(path: Path, field: str) -> Source:
         return locate(newest, field)
     if (path / "adapter_config.json").is_file() or (path / "config.json").is_file():
         record = path.parent / "record.json"
-        config = json.loads(record.read_text())["config"] if record.is_file() else None
+        config = record_config(record, field) if record.is_file() else None
         adapter = (path / "adapter_config.json").is_file()
         mode = config["mode"] if config and adapter else ("lora" if adapter else "full")
         return Source(kind="result", path=path, mode=mode, config=config)
@@ -90,6 +96,19 @@ def locate(path: Path, field: str) -> Source:
         f"{str(path)!r} is neither a run directory, a result nor a checkpoint{hint}",
         "give a run's --output-dir, its result/ directory, or a checkpoints/step-NNNNNNNN directory",
     )
+
+
+def record_config(record: Path, field: str) -> dict:
+    """The config a run's record.json holds, checked: an object whose "config" has the run's mode."""
+    doc = read_json(record, field)
+    config = doc.get("config") if isinstance(doc, dict) else None
+    if not isinstance(config, dict) or config.get("mode") not in C.MODES:
+        raise ConfigError(
+            field,
+            f"{str(record)!r} is not a trainplan run record (no config with its mode)",
+            "give a run directory that `trainplan train` wrote, or its result/ alone without the record",
+        )
+    return config
 
 
 def rebuild(src: Source, device: torch.device, field: str) -> tuple[nn.Module, object]:

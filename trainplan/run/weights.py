@@ -20,6 +20,7 @@ from trainplan import _torch_private, features
 from trainplan.config import RunConfig
 from trainplan.errors import ConfigError, TrainplanError
 from trainplan.features.qlora import engine as qlora
+from trainplan.files import safetensors_header
 from trainplan.run import build
 from trainplan.spec import hub
 from trainplan.spec.model import ModelSpec, default_gguf_path, model_dir
@@ -241,22 +242,13 @@ class SafetensorsFile:
     }
 
     def __init__(self, path: Path) -> None:
-        import json
-        import struct
-
         self.path = path
         try:
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-            self.size = path.stat().st_size
-            self.data_start = 8 + n
-            self.entries = {k: v for k, v in header.items() if k != "__metadata__"}
+            self.entries, self.data_start, self.size = safetensors_header(path)
             for v in self.entries.values():
-                begin, end = v["data_offsets"]
-                if self.data_start + end > self.size or v["dtype"] not in self.DTYPES:
-                    raise ValueError("header promises data the file does not hold")
-        except Exception as e:  # truncated, not safetensors, or a header that lies
+                if v["dtype"] not in self.DTYPES:
+                    raise ValueError(f"dtype {v['dtype']} is not one a model's weights are loaded from")
+        except (OSError, ValueError) as e:  # truncated, not safetensors, or a header that lies
             raise ConfigError(
                 "model.source",
                 f"corrupt weights file {str(path)!r} ({e})".splitlines()[0],

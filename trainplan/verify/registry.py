@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from trainplan import text
 from trainplan.errors import TrainplanError
 from trainplan.spec.devices import format_gib
 
@@ -51,23 +52,29 @@ def path(explicit: str | None = None) -> Path | None:
     return Path(explicit or DEFAULT).expanduser()
 
 
+# The columns every registry has had since the first (newer ones are added to an older registry when
+# a run is recorded; a table without these is another program's, never migrated)
+CORE = ("id", "kind", "started", "config_hash", "model", "mode")
+MAX_ID = 2**63 - 1  # SQLite's INTEGER
+
+
 @contextlib.contextmanager
 def _connect(db: Path, *, create: bool) -> Iterator[sqlite3.Connection]:
-    """A connection to the registry, its table created or migrated (older registries lack newer
-    columns: they are added, empty). A file that is not a registry is one line naming --registry."""
+    """A connection to the registry. Writing (`create`): the table is created in a new file, or newer
+    columns added to an older registry. Reading: the file is opened read-only and never altered. A
+    file that is not a trainplan registry (another program's database, another schema) is one line
+    naming --registry, in both cases: its tables are never touched."""
     if not create and not db.is_file():
         raise TrainplanError(f"registry: no run registry at {db}; run `trainplan train` or `trainplan accept` first")
     try:
-        db.parent.mkdir(parents=True, exist_ok=True)
-        con = sqlite3.connect(db, timeout=30)
+        if create:
+            db.parent.mkdir(parents=True, exist_ok=True)
+            con = sqlite3.connect(db, timeout=30)
+        else:
+            con = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
         try:
             con.row_factory = sqlite3.Row
-            cols = ", ".join(f"{name} {kind}" for name, kind in COLUMNS)
-            con.execute(f"CREATE TABLE IF NOT EXISTS runs (id INTEGER PRIMARY KEY AUTOINCREMENT, {cols})")
-            have = {r[1] for r in con.execute("PRAGMA table_info(runs)")}
-            for name, kind in COLUMNS:
-                if name not in have:
-                    con.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")
+            _check_schema(con, db, create=create)
             with con:
                 yield con
         finally:
@@ -76,6 +83,59 @@ def _connect(db: Path, *, create: bool) -> Iterator[sqlite3.Connection]:
         raise TrainplanError(
             f"--registry: {db} is not a readable trainplan run registry ({e}); give another path, or move it aside"
         ) from None
+
+
+def _check_schema(con: sqlite3.Connection, db: Path, *, create: bool) -> None:
+    tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if "runs" not in tables:
+        if not create or tables - {"sqlite_sequence"}:
+            raise TrainplanError(
+                f"--registry: {db} is another program's database (no runs table; it has "
+                f"{', '.join(sorted(tables)[:5]) or 'no tables'}); give a trainplan registry's path, or a new file"
+            )
+        cols = ", ".join(f"{name} {kind}" for name, kind in COLUMNS)
+        con.execute(f"CREATE TABLE runs (id INTEGER PRIMARY KEY AUTOINCREMENT, {cols})")
+        return
+    have = {r[1] for r in con.execute("PRAGMA table_info(runs)")}
+    missing = [c for c in CORE if c not in have]
+    if missing:
+        raise TrainplanError(
+            f"--registry: {db} has a runs table of another schema (no {', '.join(missing)}); give a trainplan "
+            "registry's path, or move it aside"
+        )
+    if create:
+        for name, kind in COLUMNS:
+            if name not in have:
+                con.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")
+
+
+def _checked(row: sqlite3.Row, db: Path) -> dict:
+    """A row as the renderers need it: every column of COLUMNS (None where an older registry lacks it),
+    each of its declared type; a value of another type is the registry's fault, named."""
+    out = dict(row)
+    if not isinstance(out.get("id"), int):
+        raise TrainplanError(f"--registry: {db} holds a run whose id is {out.get('id')!r}, not an integer")
+    for name, kind in COLUMNS:
+        v = out.setdefault(name, None)
+        ok = v is None or (isinstance(v, str) if kind == "TEXT" else isinstance(v, int | float))
+        if ok and name == "peaks_json" and v is not None:
+            ok = _peaks_problem(v) is None
+        if not ok:
+            raise TrainplanError(
+                f"--registry: {db} run {out['id']}: {name} holds {text.clip(repr(v), 60)}, not {kind.lower()}; "
+                "the file was written by something else: move it aside"
+            )
+    return out
+
+
+def _peaks_problem(v: str) -> str | None:
+    try:
+        peaks = json.loads(v)
+    except (ValueError, RecursionError):
+        return "not JSON"
+    if not isinstance(peaks, dict) or not all(isinstance(b, int | float) or b is None for b in peaks.values()):
+        return "not {device: bytes}"
+    return None
 
 
 def config_hash(cfg_dict: dict) -> str:
@@ -133,16 +193,20 @@ def _required(db: Path | None) -> Path:
 
 
 def rows(db: Path | None) -> list[dict]:
-    with _connect(_required(db), create=False) as con:
-        return [dict(r) for r in con.execute("SELECT * FROM runs ORDER BY id")]
+    db = _required(db)
+    with _connect(db, create=False) as con:
+        return [_checked(r, db) for r in con.execute("SELECT * FROM runs ORDER BY id")]
 
 
 def get(run_id: int, db: Path | None) -> dict:
-    with _connect(_required(db), create=False) as con:
+    db = _required(db)
+    if not 1 <= run_id <= MAX_ID:
+        raise TrainplanError(f"runs: {text.clip(str(run_id), 40)} is not a run id; `trainplan runs list` shows the ids")
+    with _connect(db, create=False) as con:
         row = con.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
     if row is None:
         raise TrainplanError(f"runs: no run {run_id} in {db}; `trainplan runs list` shows the ids")
-    return dict(row)
+    return _checked(row, db)
 
 
 def _fmt(v) -> str:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from trainplan.errors import ConfigError, TrainplanError
-from trainplan.files import fsync_dir, fsync_file, pid_alive, sha256_file
+from trainplan.files import fsync_dir, fsync_file, pid_alive, read_json, safetensors_header, sha256_file
 from trainplan.run.dist import full_tensor, to_local
 
 SCHEMA = "trainplan.checkpoint/1"
@@ -313,8 +313,8 @@ def validate(path: Path) -> str | None:
     if not manifest_path.is_file():
         return "no manifest (incomplete write)"
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        manifest = read_json(manifest_path, "manifest.json")
+    except ConfigError:
         return "manifest is not valid JSON"
     if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA or not manifest.get("complete"):
         return "manifest is incomplete or of another format"
@@ -336,6 +336,32 @@ def validate(path: Path) -> str | None:
             return f"part {name} is truncated ({part.stat().st_size} of {meta['bytes']} bytes)"
         if sha256_file(part) != meta["sha256"]:
             return f"part {name} fails its checksum"
+    return _content_problem(path, manifest)
+
+
+def _content_problem(path: Path, manifest: dict) -> str | None:
+    """What a checkpoint whose checksums verify can still get wrong (a hand edit, a file written by
+    something else with its manifest redone): state.json's and the safetensors header's shapes. (The
+    progress state.json claims is checked where it is loaded: a consistent lie is refused, not skipped.)"""
+    try:
+        state = read_json(path / "state.json", "state.json")
+    except ConfigError as e:
+        return str(e).split("; ")[0]
+    if not isinstance(state, dict):
+        return "state.json is not a JSON object"
+    if not isinstance(state.get("mode"), str) or not isinstance(state.get("config", {}), dict):
+        return "state.json's mode is not a name or its config not a table"
+    if "model.safetensors" in manifest["parts"]:
+        return safetensors_problem(path / "model.safetensors")
+    return None
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """None if the safetensors file's header is well formed (files.safetensors_header)."""
+    try:
+        safetensors_header(file)
+    except (OSError, ValueError) as e:
+        return f"{file.name}: {e}"
     return None
 
 
@@ -359,8 +385,8 @@ def latest_valid(root: Path) -> tuple[Path | None, list[tuple[str, str]]]:
 def run_id_of(path: Path) -> str | None:
     """The run a checkpoint belongs to (state.json's run_id); None for an unreadable or older one."""
     try:
-        state = json.loads((path / "state.json").read_text())
-    except (OSError, ValueError):
+        state = read_json(path / "state.json", "state.json")
+    except ConfigError:
         return None
     return state.get("run_id") if isinstance(state, dict) else None
 
