@@ -112,11 +112,14 @@ def _rewrite(step_dir, name, data: bytes):
     (step_dir / "manifest.json").write_text(json.dumps(manifest))
 
 
-def test_a_checkpoint_whose_sums_agree_but_whose_files_are_malformed_is_skipped(tiny_run, tmp_path, three_checkpoints):
+def test_a_checkpoint_whose_sums_agree_but_whose_files_are_malformed_is_skipped(tiny_run, tmp_path):
     """A safetensors header that promises bytes the file lacks, or a state.json that is not an object,
     written with matching checksums: resume=auto once crashed in the loader on them. Now each is skipped
-    with its reason, and the run resumes from the newest checkpoint that is sound."""
-    ck = three_checkpoints
+    with its reason, and the run resumes from the newest sound checkpoint, bitwise as if uninterrupted."""
+    ck = tmp_path / "ck"
+    common = ["mode=lora", "train.steps=4", f"checkpoint.dir={ck}", "checkpoint.every=1", "checkpoint.keep_last=3"]
+    full = run(tiny_run, tmp_path / "full", "mode=lora", "train.steps=4")
+    run(tiny_run, tmp_path / "a", *common, "train.stop_after=3")
     weights = ck / "step-00000003" / "model.safetensors"
     raw = weights.read_bytes()
     n = int.from_bytes(raw[:8], "little")
@@ -131,11 +134,11 @@ def test_a_checkpoint_whose_sums_agree_but_whose_files_are_malformed_is_skipped(
     assert skipped[0][0] == "step-00000003" and "model.safetensors: tensor" in skipped[0][1]
     assert "bytes for its shape" in skipped[0][1]
     assert skipped[1] == ("step-00000002", "state.json is not a JSON object")
-    record = run(
-        tiny_run, tmp_path / "b", "mode=lora", "train.steps=4", f"checkpoint.dir={ck}", "checkpoint.resume=auto"
-    )
-    assert record["resume"]["step"] == 1 and [s["step"] for s in record["steps"]] == [2, 3, 4]
-    assert [s["checkpoint"] for s in record["resume"]["skipped"]] == ["step-00000003", "step-00000002"]
+    resumed = run(tiny_run, tmp_path / "b", *common, "checkpoint.resume=auto")
+    assert resumed["resume"]["step"] == 1
+    assert [s["checkpoint"] for s in resumed["resume"]["skipped"]] == ["step-00000003", "step-00000002"]
+    assert [(s["step"], s["loss"]) for s in resumed["steps"]] == [(s["step"], s["loss"]) for s in full["steps"][1:]]
+    assert resumed["final"] == full["final"]
 
 
 class _Exploit:
