@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from trainplan.errors import TrainplanError
@@ -142,11 +143,51 @@ def add_registry_arg(p: argparse.ArgumentParser, purpose: str = "where the run i
     )
 
 
+def _output_path(value: str, *, directory: bool) -> str:
+    """An output path, checked before any work: not empty, no control character (a newline or an escape
+    sequence would name a file no one can type), and a file output not written as a directory ('x/')."""
+    from trainplan.config.schema import CONTROL_IN_PATH
+    from trainplan.text import clip
+
+    if not value.strip():
+        raise argparse.ArgumentTypeError("is empty; give a path")
+    if m := CONTROL_IN_PATH.search(value):
+        raise argparse.ArgumentTypeError(
+            f"'{clip(value)}' holds a control character ({ascii(m.group())}); give a path of printable characters"
+        )
+    if not directory and value.endswith(("/", os.sep)):
+        raise argparse.ArgumentTypeError(f"'{clip(value)}' names a directory; give a file in it, e.g. {value}out.txt")
+    return value
+
+
+def output_file(value: str) -> str:
+    """argparse type of a file a command writes (-o, --out)."""
+    return _output_path(value, directory=False)
+
+
+def output_dir(value: str) -> str:
+    """argparse type of a directory a command writes (export -o, --output-dir)."""
+    return _output_path(value, directory=True)
+
+
+def seed(value: str) -> int:
+    """argparse type of a seed: an integer from 0 to 2^53, as train.seed (past it, not exact as a float)."""
+    from trainplan.text import ascii_int, clip
+
+    try:
+        n = ascii_int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{clip(value, 40)}' is not an integer; give e.g. 0") from None
+    if not 0 <= n <= 2**53:
+        raise argparse.ArgumentTypeError(f"{clip(value, 40)} is outside 0 to 2^53; give e.g. 0")
+    return n
+
+
 def add_output_args(p: argparse.ArgumentParser) -> None:
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="JSON (schema trainplan.plan/1, docs/ledger-schema.md)")
     fmt.add_argument("--markdown", action="store_true", help="a Markdown table")
-    p.add_argument("--output", "-o", help="write to this file (atomically) instead of stdout")
+    p.add_argument("--output", "-o", type=output_file, help="write to this file (atomically) instead of stdout")
     p.add_argument(
         "--strict",
         action="store_true",

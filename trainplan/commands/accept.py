@@ -12,6 +12,7 @@ from trainplan.commands._common import (
     add_registry_arg,
     check_fraction,
     check_nproc,
+    output_dir,
     settings_from_args,
     setup_logging,
     split_positional,
@@ -29,7 +30,7 @@ HELP = (
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_config_args(p)
-    p.add_argument("--output-dir", default="runs/accept", help="where the run and the reports go")
+    p.add_argument("--output-dir", default="runs/accept", type=output_dir, help="where the run and the reports go")
     p.add_argument(
         "--tolerance",
         type=float,

@@ -25,7 +25,7 @@ from trainplan.advise.rank import (
     weights_note,
 )
 from trainplan.advise.search import TRAIN_MODES, Request, layouts, search, what_would_fit
-from trainplan.commands._common import add_registry_arg
+from trainplan.commands._common import add_registry_arg, output_file
 from trainplan.errors import ConfigError, nearest
 from trainplan.files import write_atomic
 from trainplan.resolve import resolve
@@ -71,7 +71,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "preference alone; by default they come after every row train runs",
     )
     p.add_argument("--format", default="table", help="table | json")
-    p.add_argument("--out", default=None, help="write the chosen configuration as TOML (atomically)")
+    p.add_argument("--out", default=None, type=output_file, help="write the chosen configuration as TOML (atomically)")
     p.add_argument("--data", default=None, help="training data for --out: .txt/.jsonl file or directory (data.source)")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--tokens", type=int, default=None, help="train on this many tokens: sets train.steps")
@@ -116,6 +116,9 @@ def request_from_args(args: argparse.Namespace) -> Request:
     if args.data is not None:
         if not Path(args.data).exists():
             raise ConfigError("--data", f"{args.data!r} does not exist", "give a .txt/.jsonl file or a directory")
+        from trainplan.run import sources
+
+        sources.sniff(args.data, "--data")
         settings["data.source"] = str(Path(args.data).resolve())
     base = C.load(None, args.set, settings)
     spec = load_model_spec(base.model.source)

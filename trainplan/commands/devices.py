@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from trainplan.commands._common import emit
+from trainplan.commands._common import emit, output_file
 from trainplan.errors import TrainplanError
 from trainplan.spec.devices import format_gib
 from trainplan.text import ascii_int
@@ -29,7 +29,7 @@ HELP = (
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="JSON (schema trainplan.devices/1)")
-    p.add_argument("--output", "-o", help="write to this file (atomically) instead of stdout")
+    p.add_argument("--output", "-o", type=output_file, help="write to this file (atomically) instead of stdout")
     p.add_argument("--gpus", default=None, help="GPU indices to check, e.g. 0,1 (default: every GPU)")
     p.add_argument("--skip-health", action="store_true", help="inventory only: run no health check")
     p.add_argument(

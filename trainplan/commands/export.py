@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from trainplan.commands._common import add_registry_arg, quiet_libraries
+from trainplan.commands._common import add_registry_arg, output_dir, quiet_libraries
 from trainplan.features import qlora
 
 HELP = "write a run's model for use elsewhere: a merged transformers directory (--merge) or the PEFT adapter"
@@ -17,7 +17,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
         metavar="RUN_OR_CHECKPOINT",
         help="a run directory (its --output-dir), its result/, a checkpoints/step-N directory, or a registry run id",
     )
-    p.add_argument("-o", "--output", required=True, metavar="DIR", help="the directory to write (atomically)")
+    p.add_argument(
+        "-o", "--output", required=True, type=output_dir, metavar="DIR", help="the directory to write (atomically)"
+    )
     p.add_argument(
         "--merge",
         action="store_true",
@@ -55,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     export.refuse_existing(out, force=args.force)  # before any model loads
     require_writable(out, "-o")
     src = export.locate(source_path(args.source, args.registry), "RUN_OR_CHECKPOINT")
+    export.refuse_onto_source(out, src)
     if args.base and not (args.merge and src.adapter and src.kind == "result"):
         from trainplan.errors import ConfigError
 

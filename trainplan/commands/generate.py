@@ -8,7 +8,7 @@ import math
 import sys
 from pathlib import Path
 
-from trainplan.commands._common import quiet_libraries
+from trainplan.commands._common import quiet_libraries, seed
 from trainplan.errors import ConfigError
 from trainplan.files import parse_nested
 
@@ -33,7 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--temperature", type=float, default=0.0, metavar="T", help="0 (default): greedy, deterministic; > 0: sampled"
     )
-    p.add_argument("--seed", type=int, default=0, help="the sampling seed (temperature > 0)")
+    p.add_argument("--seed", type=seed, default=0, help="the sampling seed (temperature > 0), 0 to 2^53")
     p.add_argument(
         "--compare", action="store_true", help="the base model and the fine-tuned one, one after the other, labelled"
     )

@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from trainplan.commands._common import CONFIG_FLAGS, SWITCHES, add_config_args, config_from_args, emit
+from trainplan.commands._common import CONFIG_FLAGS, SWITCHES, add_config_args, config_from_args, emit, output_file
 from trainplan.errors import ConfigError
 
 HELP = "write a multi-node launch file (torchrun, slurm, skypilot, trainjob) for a plan that fits (exit 1: it does not)"
@@ -26,7 +26,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=None, help="rendezvous port on the first node (default 29500)")
     p.add_argument("--name", default=None, help="job name (default: trainplan-<config name>)")
     p.add_argument("--image", default=None, help="container image with trainplan installed (trainjob)")
-    p.add_argument("--output", "-o", help="write to this file (atomically) instead of stdout")
+    p.add_argument("--output", "-o", type=output_file, help="write to this file (atomically) instead of stdout")
 
 
 def run(args: argparse.Namespace) -> int:

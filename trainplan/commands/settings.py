@@ -10,7 +10,7 @@ import dataclasses
 import json
 import textwrap
 
-from trainplan.commands._common import CONFIG_FLAGS, SWITCHES, emit
+from trainplan.commands._common import CONFIG_FLAGS, SWITCHES, emit, output_file
 
 HELP = "every config key with its value, default, type, meaning and flag (`config --show CONFIG`: a file's values)"
 
@@ -20,7 +20,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--show", action="store_true", help="show the settings (what `trainplan config` does)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting, as train does")
     p.add_argument("--json", action="store_true", help="a JSON list of {key, value, default, type, meaning, flag}")
-    p.add_argument("--output", "-o", help="write to this file (atomically) instead of stdout")
+    p.add_argument("--output", "-o", type=output_file, help="write to this file (atomically) instead of stdout")
 
 
 def meanings() -> dict[str, str]:

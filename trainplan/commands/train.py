@@ -14,6 +14,7 @@ from trainplan.commands._common import (
     add_logging_args,
     add_registry_arg,
     config_from_args,
+    output_dir,
     setup_logging,
     warn,
 )
@@ -26,7 +27,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_config_args(p)
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
     p.add_argument("--data", default=None, help='training text: "default" (Python docs), .txt, dir of .txt, .jsonl')
-    p.add_argument("--output-dir", default=None, help="where record.json goes (train.output_dir)")
+    p.add_argument("--output-dir", default=None, type=output_dir, help="where record.json goes (train.output_dir)")
     add_registry_arg(p)
     add_logging_args(p)
 

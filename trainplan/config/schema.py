@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,9 @@ OPTIMIZERS = ("adamw", "adamw-8bit", "sgd", "sgd-momentum", "adafactor")
 OPTIM_IMPLS = ("auto", "foreach", "fused", "for-loop")
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-grad-op")
 ATTENTIONS = ("auto", "sdpa", "eager")
+MIN_LR = 1.1754943508222875e-38  # fp32's smallest normal number (torch.finfo(torch.float32).tiny)
+MAX_RUNTIME_MIB = 2**20  # a CUDA context, a workspace, a Python runtime: 1 TiB is past any device
+CONTROL_IN_PATH = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def _choice(section: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -25,7 +29,9 @@ def _choice(section: str, name: str, value: Any, choices: tuple[str, ...]) -> No
         raise ConfigError(f"{section}.{name}", f"unknown value {value!r}", nearest(str(value), choices))
 
 
-def _positive_int(section: str, name: str, value: Any, *, minimum: int = 1, optional: bool = False) -> None:
+def _positive_int(
+    section: str, name: str, value: Any, *, minimum: int = 1, maximum: int | None = None, optional: bool = False
+) -> None:
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -33,6 +39,23 @@ def _positive_int(section: str, name: str, value: Any, *, minimum: int = 1, opti
             f"{section}.{name}",
             f"must be an integer >= {minimum} (got {value!r})",
             f"set {section}.{name} to an integer >= {minimum}",
+        )
+    if maximum is not None and value > maximum:
+        raise ConfigError(
+            f"{section}.{name}",
+            f"{value:,} is past any real device (at most {maximum:,})",
+            f"set {section}.{name} to what one process really holds",
+        )
+
+
+def _path(section: str, name: str, value: Any) -> None:
+    """A directory trainplan writes: no control character (a newline in a name breaks every log line
+    and launch file that shows it)."""
+    if isinstance(value, str) and (m := CONTROL_IN_PATH.search(value)):
+        raise ConfigError(
+            f"{section}.{name}",
+            f"holds a control character ({ascii(m.group())})",
+            "give a path of printable characters",
         )
 
 
@@ -118,6 +141,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _positive_int("checkpoint", "every", self.every, minimum=0)
         _positive_int("checkpoint", "keep_last", self.keep_last)
+        _path("checkpoint", "dir", self.dir)
 
 
 @dataclass(kw_only=True)
@@ -153,6 +177,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _positive_int("train", "steps", self.steps)
+        _path("train", "output_dir", self.output_dir)
         _positive_int("train", "log_every", self.log_every)
         if isinstance(self.log_every_s, bool) or not isinstance(self.log_every_s, int | float) or self.log_every_s <= 0:
             raise ConfigError(
@@ -295,8 +320,12 @@ class OptimConfig:
                 f"must be true or false (got {self.step_in_backward!r})",
                 "write true or false",
             )
-        if isinstance(self.lr, bool) or not isinstance(self.lr, int | float) or self.lr <= 0:
+        if isinstance(self.lr, bool) or not isinstance(self.lr, int | float) or not 0 < self.lr < math.inf:
             raise ConfigError("optim.lr", f"must be positive (got {self.lr!r})", "set optim.lr, e.g. 1e-4")
+        if self.lr < MIN_LR:  # fp32 states: below its smallest normal number an update is 0 or denormal
+            raise ConfigError(
+                "optim.lr", f"{self.lr!r} is below fp32's smallest normal number ({MIN_LR:.3g})", "set e.g. 1e-4"
+            )
         wd = self.weight_decay
         if isinstance(wd, bool) or not isinstance(wd, int | float) or wd < 0:
             raise ConfigError(
@@ -404,7 +433,7 @@ class HardwareConfig:
 
     def __post_init__(self) -> None:
         for name in ("cuda_context_mib", "cublas_workspace_mib", "cpu_runtime_mib"):
-            _positive_int("hardware", name, getattr(self, name), minimum=0)
+            _positive_int("hardware", name, getattr(self, name), minimum=0, maximum=MAX_RUNTIME_MIB)
         if self.allocator_reserve is not None:
             _fraction("hardware", "allocator_reserve", self.allocator_reserve)
         _fraction("hardware", "safety_margin", self.safety_margin, top=0.9)

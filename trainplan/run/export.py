@@ -222,6 +222,18 @@ def refuse_existing(out: Path, *, force: bool, field: str = "-o") -> None:
         )
 
 
+def refuse_onto_source(out: Path, src: Source, field: str = "-o") -> None:
+    """An export never replaces what it reads, --force or not: not the checkpoint or result itself,
+    not a directory holding it (the run's own), not a directory inside it."""
+    o, s = Path(out).resolve(), src.path.resolve()
+    if o == s or o in s.parents or s in o.parents:
+        raise ConfigError(
+            field,
+            f"{str(out)!r} is, holds or lies inside the {src.kind} being exported ({str(src.path)!r}); --force would delete it",
+            "give a directory outside the run",
+        )
+
+
 def _copy_result(result: Path, tmp: Path, field: str) -> None:
     """A result directory as it is, without pickled weights."""
     files = [f for f in sorted(result.iterdir()) if f.is_file()]

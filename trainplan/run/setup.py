@@ -67,7 +67,13 @@ def prepare(
             "give the --output-dir (or checkpoint.dir) of the run to continue",
         )
     if cfg.hardware.gpus not in ("auto", ""):  # train runs on the devices present; a typo is still refused
-        parse_devices(cfg.hardware.gpus, cfg.hardware.gpu_mem)
+        asked = parse_devices(cfg.hardware.gpus, cfg.hardware.gpu_mem)
+        if env.device.type == "cpu" and any(d.kind != "cpu" for d in asked):  # never a silent CPU run
+            raise ConfigError(
+                "hardware.gpus",
+                f"{cfg.hardware.gpus!r} asks for GPUs, but this process sees none (torch.cuda.is_available() is False)",
+                'run on a machine with them, or set hardware.gpus = "cpu" (or "auto") to train on the CPU',
+            )
     cfg = dataclasses.replace(
         cfg,
         hardware=dataclasses.replace(cfg.hardware, gpus=device_label(env)),

@@ -73,8 +73,7 @@ def read(source: str, fmt: str, field: str, cache_dir: str | None) -> list[Docum
     if path.is_file():
         if path.suffix in DATA_SUFFIXES:
             return _read_file(path, fmt, field, cache_dir)
-        _require_text(path, field, "give a .txt, .jsonl, .json, .parquet or .csv file")
-        return [Document(name=path.name, text=path.read_text(errors="replace"))]
+        return [_plain(path, field, "give a .txt, .jsonl, .json, .parquet or .csv file")]
     if _HF_ID.match(source) and path.suffix not in (*DATA_SUFFIXES, ".txt"):
         return _read_cached_hub(source, fmt, field, cache_dir)
     raise ConfigError(
@@ -87,7 +86,7 @@ def read(source: str, fmt: str, field: str, cache_dir: str | None) -> list[Docum
 def _read_dir(path: Path, fmt: str, field: str, cache_dir: str | None) -> list[Document]:
     files = _data_files(path)
     if not files:
-        return [Document(name=p.name, text=p.read_text(errors="replace")) for p in sorted(path.glob("*.txt"))]
+        return [_plain(p, field, "give a directory of UTF-8 .txt files") for p in sorted(path.glob("*.txt"))]
     kinds = {DATA_SUFFIXES[p.suffix] for p in files}
     if len(kinds) > 1 or any(p.suffix == ".txt" for p in path.iterdir()):
         raise ConfigError(
@@ -108,15 +107,44 @@ def _require_text(path: Path, field: str, fix: str) -> None:
         raise ConfigError(field, f"{str(path)!r} is binary, not text", fix)
 
 
+def sniff(source: str, field: str) -> None:
+    """A cheap look at a local data source before a file names it (advise --out): each file's head
+    is text and UTF-8, each file of a kind trainplan reads. The full checks run when train reads it."""
+    import codecs
+
+    path = Path(source).expanduser()
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    for p in files:
+        if p.suffix == ".parquet" or path.is_dir() and p.suffix not in (*DATA_SUFFIXES, ".txt"):
+            continue
+        _require_text(p, field, "give UTF-8 text, .jsonl, .json, .parquet or .csv data")
+        with open(p, "rb") as f:
+            head = f.read(65536)
+        try:
+            codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+        except UnicodeDecodeError as e:
+            raise ConfigError(field, f"{str(p)!r} is not UTF-8 text (byte {e.start})", "give UTF-8 text") from None
+
+
+def _utf8(path: Path, field: str) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(field, f"{str(path)!r} is not UTF-8 text (byte {e.start})", "give UTF-8 text") from None
+
+
+def _plain(path: Path, field: str, fix: str) -> Document:
+    """A plain-text document: text, not binary, and UTF-8 (never decoded with replacement characters)."""
+    _require_text(path, field, fix)
+    return Document(name=path.name, text=_utf8(path, field))
+
+
 def _read_file(path: Path, fmt: str, field: str, cache_dir: str | None) -> list[Document]:
     kind = DATA_SUFFIXES[path.suffix]
     lines = None
     if kind != "parquet":
         _require_text(path, field, f"give a UTF-8 {path.suffix} file")
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ConfigError(field, f"{str(path)!r} is not UTF-8 text (byte {e.start})", "give UTF-8 text") from None
+        text = _utf8(path, field)
         if not text.strip():
             return []
         if path.suffix == ".jsonl":  # rows are the non-blank lines, as `datasets` reads them
