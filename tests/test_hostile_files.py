@@ -1,6 +1,7 @@
-"""Files trainplan reads back that something else wrote (issue 49): the run registry, a run's
-record.json, and the error lines that echo them. Each bad file is exit 2, one line naming the file,
-and the file itself is left byte for byte as it was: reading never migrates, never writes."""
+"""Files from outside (issue 49): the run registry, a run's record.json, the error lines that echo
+them, and a seeded fuzz over every reader (config TOML, config.json, data, GGUF, prompts, records,
+the registry, checkpoints, output paths). Each bad file is exit 2, one line naming the field or file,
+and nothing is written: reading never migrates, never creates."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sqlite3
 
 import pytest
 
+from tests import hostile_gen
+from tests.test_bad_input import _check
 from trainplan import cli, text
 from trainplan.verify import registry
 
@@ -148,8 +151,28 @@ def test_error_lines_keep_the_terminal_and_the_screen_whole():
     (line,) = text.error_lines("model.source: unknown preset '\x1b[2J\x1b]0;pwned\x07x'")
     assert "\x1b" not in line and "\x07" not in line and "\\x1b[2J" in line
     (line,) = text.error_lines("data.source: no such file '" + "a" * 10**6 + "'; give a path")
-    assert len(line) < 200 and line.endswith("… give a path")
+    assert len(line) < 200 and line.endswith("…'; give a path")
     lines = text.error_lines("\n".join(f"field{i}: unknown key" for i in range(1000)))
     assert lines[:4] == [f"field{i}: unknown key" for i in range(4)]
     assert lines[4] == "and 996 more problems of the same input" and len(lines) == 5
     assert text.error_lines("a: b\nc: d") == ["a: b", "c: d"]  # a few problems: each on its line
+
+
+# ---- the fuzz: every reader, every class, drawn from seeded generators (tests/hostile_gen.py) ----
+
+CASES = hostile_gen.cases()
+
+
+def test_the_fuzz_reaches_every_reader():
+    assert len(CASES) >= 300
+    assert {name for name, _ in CASES} == set(hostile_gen.CLASSES)
+    assert len({n for n in hostile_gen.COUNTS.values()}) > 1  # not one flat list
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{name}-{i}" for i, (name, _) in enumerate(CASES)])
+def test_a_hostile_file_is_one_line_exit_2_and_nothing_written(case, tmp_path, capsys, monkeypatch):
+    """Exit 2, one line matching the reader's field, nothing on stdout, no traceback, nothing new in
+    the directory (no output, no run started): for each generated file."""
+    name, build = CASES[case]
+    argv, pattern = build(tmp_path)
+    _check(argv, pattern, tmp_path, capsys, monkeypatch)

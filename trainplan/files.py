@@ -209,6 +209,26 @@ def parse_nested(parse, text: str, field: str, what: str):
 MAX_JSON_BYTES = 64 * 2**20  # a record, a checkpoint's state or manifest, a config.json: kilobytes
 
 
+def read_text(path: Path, field: str, *, max_bytes: int = MAX_JSON_BYTES) -> str:
+    """A small text file from outside (prompts, a record): size bounded, not binary, UTF-8; a bad
+    file is a ConfigError naming `field` and the file."""
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise ConfigError(field, f"{str(path)!r} is {size:,} bytes, past {max_bytes:,}", "give a smaller file")
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(field, f"cannot read {str(path)!r} ({e.strerror})", "give a readable file") from None
+    if b"\x00" in data:
+        raise ConfigError(field, f"{str(path)!r} is binary, not text", "give a UTF-8 text file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            field, f"{str(path)!r} is not UTF-8 text (byte {e.start})", "give a UTF-8 text file"
+        ) from None
+
+
 def read_json(path: Path, field: str, *, max_bytes: int = MAX_JSON_BYTES):
     """The JSON document in a file trainplan reads back (a run's record, a checkpoint's state): size and
     nesting bounded before and while parsing, UTF-8 only. A bad file is a ConfigError naming `field`

@@ -58,10 +58,17 @@ def clip(text: object, limit: int = ECHO) -> str:
     return s if len(s) <= limit else s[: limit - 1] + "…"
 
 
+def _cut(m: re.Match) -> str:
+    """A long run cut with "…", keeping the punctuation that ends it (the "':" after an echoed key)."""
+    word = m.group()
+    tail = re.search(r"""[:;,.'")\]]{0,3}$""", word).group()
+    return word[: ECHO - 1] + "…" + tail
+
+
 def error_lines(message: str) -> list[str]:
     """An error's lines as printed: control characters escaped, every run of more than ECHO characters
     without a space (an echoed key, value or path) cut with "…", and past MAX_ERROR_LINES lines, a count."""
-    lines = [_LONG_WORD.sub(lambda m: m.group()[: ECHO - 1] + "…", escaped(line)) for line in message.splitlines()]
+    lines = [_LONG_WORD.sub(_cut, escaped(line)) for line in message.splitlines()]
     if len(lines) > MAX_ERROR_LINES:
         more = len(lines) - MAX_ERROR_LINES + 1
         lines = [*lines[: MAX_ERROR_LINES - 1], f"and {more:,} more problems of the same input"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from trainplan.commands._common import quiet_libraries, seed
 from trainplan.errors import ConfigError
-from trainplan.files import parse_nested
+from trainplan.files import parse_nested, read_text
 
 HELP = "complete prompts with a model, a model + LoRA adapter, or a run's result (--compare: base vs fine-tuned)"
 MAX_NEW_TOKENS = 4096
@@ -59,7 +59,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
             f"no such file {args.prompts!r}",
             'give a text file, one prompt a line, or .jsonl of {"prompt": ...}',
         )
-    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    lines = [ln for ln in read_text(path, "--prompts").splitlines() if ln.strip()]
     if path.suffix != ".jsonl":
         prompts = lines
     else:

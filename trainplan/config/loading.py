@@ -168,7 +168,7 @@ def load(
         try:
             tree = parse_nested(tomllib.loads, read_config_text(p), "config", repr(str(p))[:120])
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(str(p), f"invalid TOML ({e})", "fix the syntax") from None
+            raise ConfigError("config", f"{str(p)!r} is invalid TOML ({e})", "fix the syntax") from None
     for key, value in (settings or {}).items():
         _set_dotted(tree, key, value)
     for item in overrides:

@@ -229,7 +229,7 @@ def refuse_onto_source(out: Path, src: Source, field: str = "-o") -> None:
     if o == s or o in s.parents or s in o.parents:
         raise ConfigError(
             field,
-            f"{str(out)!r} is, holds or lies inside the {src.kind} being exported ({str(src.path)!r}); --force would delete it",
+            f"{str(out)!r} is, holds or lies inside the {src.kind} being exported ({str(src.path)!r})",
             "give a directory outside the run",
         )
 

@@ -18,7 +18,7 @@ from trainplan.features.torch_compile import engine as torch_compile
 from trainplan.files import DirLock, require_writable
 from trainplan.resolve import Resolved, require_runnable, resolve
 from trainplan.run import data, dist, guard, measure, preflight, step, weights
-from trainplan.run.checkpoint.manager import checkpoint_root, refuse_foreign
+from trainplan.run.checkpoint.manager import checkpoint_root, refuse_foreign, refuse_unusable_resume
 from trainplan.run.progress import Progress
 from trainplan.run.record import device_label
 from trainplan.spec.devices import cpu_native_16bit, parse_devices
@@ -93,6 +93,7 @@ def prepare(
     require_writable(cfg.train.output_dir, "train.output_dir")
     if cfg.checkpoint.dir:
         require_writable(cfg.checkpoint.dir, "checkpoint.dir")
+    refuse_unusable_resume(cfg)
     # bad data fails before anything is created
     with progress.stage("load data", cfg.data.source) as stage:
         documents = data.load(cfg.data, cache=data.cache_dir(cfg.model.cache_dir))

@@ -47,6 +47,24 @@ def checkpoint_root(cfg: C.RunConfig) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.train.output_dir) / "checkpoints"
 
 
+def refuse_unusable_resume(cfg: C.RunConfig) -> None:
+    """checkpoint.resume naming a directory: it must be a checkpoint, whole, before the run builds or
+    writes anything (its checksums are verified where it loads)."""
+    resume = cfg.checkpoint.resume
+    if resume in ("", "auto"):
+        return
+    path = Path(resume)
+    if not path.is_dir():
+        raise ConfigError(
+            "checkpoint.resume", f"no checkpoint at {resume!r}", 'give a step-NNNNNNNN directory or "auto"'
+        )
+    reason = ckpt.validate(path, sums=False)
+    if reason is not None:
+        raise ConfigError(
+            "checkpoint.resume", f"{resume!r} is not a usable checkpoint: {reason}", 'give another one, or "auto"'
+        )
+
+
 def refuse_foreign(cfg: C.RunConfig) -> None:
     """A fresh run that writes checkpoints does not share a directory with another run's: its
     pruning, or a later resume = "auto", would mix the two runs."""
@@ -187,11 +205,8 @@ class CheckpointManager:
             if path is None:
                 return {**info, "from": None}
         else:
+            refuse_unusable_resume(self.cfg)  # (run/setup.py asked first, before anything was built)
             path = Path(resume)
-            if not path.is_dir():
-                raise ConfigError(
-                    "checkpoint.resume", f"no checkpoint at {resume!r}", 'give a step-NNNNNNNN directory or "auto"'
-                )
             info = {"skipped": []}
         saved = self._load(path, state)
         if state.step >= self.cfg.train.steps:
