@@ -6,6 +6,7 @@ and nothing is written: reading never migrates, never creates."""
 from __future__ import annotations
 
 import hashlib
+import json
 import sqlite3
 
 import pytest
@@ -176,3 +177,52 @@ def test_a_hostile_file_is_one_line_exit_2_and_nothing_written(case, tmp_path, c
     name, build = CASES[case]
     argv, pattern = build(tmp_path)
     _check(argv, pattern, tmp_path, capsys, monkeypatch)
+
+
+def _edge_cases(tmp):
+    run = tmp / "run"
+    (run / "result").mkdir(parents=True)
+    (run / "result" / "config.json").write_text(json.dumps(hostile_gen.TINY))
+    (run / "record.json").write_text(json.dumps({"config": {"mode": "full", "model": {"source": "x"}}}))
+    (tmp / "blob").mkdir()
+    (tmp / "blob" / "a.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    return [
+        (["plan", "--set", "optim.lr=5e-324"], r"^optim\.lr: 5e-324 is below fp32's smallest normal number"),
+        (["plan", "--set", "hardware.cuda_context_mib=1000000000000000"], r"^hardware\.cuda_context_mib: .* past any"),
+        (["plan", "--set", 'train.output_dir="a\x1b[2Jb"'], r"^train\.output_dir: holds a control character"),
+        (["generate", "default", "--prompt", "hi", "--seed", str(2**64)], r"^argument --seed: .* outside 0 to 2\^53"),
+        *(
+            (["export", str(run), "-o", str(out), "--force"], r"^-o: .* is, holds or lies inside the result")
+            for out in (run, run / "result", run / "result" / "inner")
+        ),
+        (
+            ["advise", "GPT-2", "--registry", "off", "--data", str(tmp / "blob"), "--out", "x.toml"],
+            r"^--data: .*binary",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_numbers_and_outputs_at_the_edges_are_refused(case, tmp_path, capsys, monkeypatch):
+    """Each was accepted with exit 0 (or an internal error): a learning rate that is 0 in fp32, a
+    CUDA context of an exabyte, an escape sequence in a directory name, a seed SQLite and torch cannot
+    hold, an export --force onto the run it reads (which deleted the run), a data directory of images."""
+    cases = _edge_cases(tmp_path)
+    assert len(cases) == 8
+    argv, pattern = cases[case]
+    _check(argv, pattern, tmp_path, capsys, monkeypatch)
+    assert (tmp_path / "run" / "record.json").is_file()  # the run is still there
+
+
+def test_train_asked_for_a_gpu_on_a_machine_without_one_refuses_rather_than_run_on_the_cpu(
+    tiny_run, tmp_path, capsys, monkeypatch
+):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the run would be a real one")
+    root, base = tiny_run
+    argv = ["train", *(a for item in base for a in ("--set", item)), "--gpus", "H100-80GB", "--output-dir", "out"]
+    _check(
+        argv, r"^hardware\.gpus: 'H100-80GB' asks for GPUs, but this process sees none", tmp_path, capsys, monkeypatch
+    )
