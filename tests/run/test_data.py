@@ -271,3 +271,46 @@ def test_training_runs_on_alpaca_with_a_sharegpt_eval_set(tiny_run, tmp_path):
     assert record["data"]["train_documents"] == 24 and record["data"]["eval_documents"] == 8
     assert len(record["steps"]) == 3
     assert record["eval_after"]["loss"] < record["eval_before"]["loss"]
+
+
+def test_a_rerun_on_the_same_data_and_tokenizer_reads_its_packed_splits_without_the_tokenizer(
+    tiny_run, tmp_path, monkeypatch
+):
+    """Issue 47: the packed splits are cached by documents + tokenizer files + seq_len, so a rerun
+    loads the tokenizer only after training (for the result's files), and trains on the same ids."""
+    import torch
+
+    from trainplan.commands.train import execute
+    from trainplan.run import setup, weights
+
+    root, base = tiny_run
+    cache = tmp_path / "cache"
+
+    def config(out: str, *extra: str) -> C.RunConfig:
+        return C.load(None, [*base, f"model.cache_dir={cache}", "train.steps=2", f"train.output_dir={tmp_path / out}"])
+
+    first = execute(config("a"), quiet=True)[0].to_json()
+    packed = sorted(p.name for p in (cache / "datasets").glob("packed-*.safetensors"))
+    assert len(packed) == 2  # the training and the held-out split
+    calls = []
+    real = weights.load_tokenizer
+    monkeypatch.setattr(weights, "load_tokenizer", lambda *a: calls.append("load") or real(*a))
+    prepared = setup.prepare(config("b"), setup.dist.init())
+    try:
+        assert calls == []  # built, packed and ready for step 1 without a tokenizer
+        assert prepared.tokenizer is prepared.tokenizer and calls == ["load"]  # loaded once, when asked
+    finally:
+        for lock in prepared.locks:
+            lock.release()
+    second = execute(config("c"), quiet=True)[0].to_json()
+    assert [s["loss"] for s in second["steps"]] == [s["loss"] for s in first["steps"]]
+    # a cache file that is not sound is repacked, never trusted
+    for f in (cache / "datasets").glob("packed-*.safetensors"):
+        f.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+    key = f.name[len("packed-") : -len(".safetensors")]
+    assert data.cached_pack(str(cache / "datasets"), key, 32, 10**6) is None
+    ids = torch.zeros(2, 32, dtype=torch.int64)
+    data.store_pack(str(cache / "datasets"), key, ids, ids.clone())
+    assert data.cached_pack(str(cache / "datasets"), key, 32, 10**6) is not None
+    assert data.cached_pack(str(cache / "datasets"), key, 16, 10**6) is None  # another seq_len
+    assert data.cached_pack(str(cache / "datasets"), key, 32, 0) is None  # ids outside the vocabulary

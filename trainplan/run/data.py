@@ -252,6 +252,67 @@ def pack(
     )
 
 
+# ---- the packed splits, cached: a rerun on the same data and tokenizer loads no tokenizer ----------
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack")
+
+
+def tokenizer_files_fingerprint(directory: Path) -> str:
+    """The tokenizer's identity read from its files, without loading it: every file of its directory
+    but the weights (tokenizer.json, its config and chat template, special tokens, vocab and merges)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(directory).iterdir()):
+        if f.is_file() and f.suffix not in WEIGHT_SUFFIXES and not f.name.startswith("."):
+            h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def pack_key(docs: list[Document], tokenizer_dir: Path, seq_len: int) -> str:
+    """What decides a packed split: its documents, the tokenizer's files, the sequence length and
+    how `tokenize` and `pack` work (TOKENIZE_VERSION)."""
+    text = f"{fingerprint(docs)} {tokenizer_files_fingerprint(tokenizer_dir)} {seq_len} {TOKENIZE_VERSION}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def cached_pack(cache: str, key: str, seq_len: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A packed split saved by `store_pack`, checked before it is trusted (a header that parses, two
+    int64 (n, seq_len) tensors, ids inside the vocabulary); None if absent or not sound (repacked)."""
+    from safetensors.torch import load_file
+
+    from trainplan.files import safetensors_header
+
+    file = Path(cache) / f"packed-{key}.safetensors"
+    if not file.is_file():
+        return None
+    try:
+        safetensors_header(file)
+        t = load_file(str(file))
+    except (OSError, ValueError, RuntimeError):
+        return None
+    ids, labels = t.get("ids"), t.get("labels")
+    if not all(isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.dim() == 2 for x in (ids, labels)):
+        return None
+    if ids.shape != labels.shape or ids.shape[1] != seq_len or ids.shape[0] == 0:
+        return None
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        return None
+    return ids, labels
+
+
+def store_pack(cache: str, key: str, ids: torch.Tensor, labels: torch.Tensor) -> None:
+    """Save a packed split for the next run (written whole or not at all)."""
+    import os
+
+    from safetensors.torch import save_file
+
+    folder = Path(cache)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".packed-{key}.{os.getpid()}.tmp"
+    save_file({"ids": ids.contiguous(), "labels": labels.contiguous()}, str(tmp))
+    os.replace(tmp, folder / f"packed-{key}.safetensors")
+
+
 def fingerprint(docs: list[Document]) -> str:
     h = hashlib.sha256()
     for d in docs:

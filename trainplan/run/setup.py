@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +42,9 @@ class Job:
     cfg: C.RunConfig  # hardware.gpus is the devices actually present
     resolved: Resolved
     env: dist.DistEnv
-    tokenizer: object
+    # the tokenizer, loaded when first asked for: a run whose packed splits were cached needs it only
+    # after training (the sample generation, the result's files)
+    load_tokenizer: Callable[[], object]
     train: Split
     eval: Split
     model: torch.nn.Module  # on its device, not yet wrapped for data parallelism
@@ -50,6 +54,10 @@ class Job:
     @property
     def training(self) -> bool:
         return self.cfg.mode != "inference"
+
+    @property
+    def tokenizer(self):
+        return self.load_tokenizer()
 
 
 def prepare(
@@ -132,29 +140,20 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, l
     if r.dims.shards_params and env.world == 1:  # zero3 on one process: FSDP2 over a one-rank mesh
         dist.join_alone(env, cfg.parallel.timeout_s)
     torch.manual_seed(cfg.train.seed)
+    tokenizer = functools.cache(lambda: weights.load_tokenizer(cfg, r.spec))
     with progress.stage("tokenize") as stage:
-        tokenizer = weights.load_tokenizer(cfg, r.spec)
-        seq, vocab, cache = r.batch.seq_len, r.spec.vocab_size, data.cache_dir(cfg.model.cache_dir)
-        held_out_from = (
-            f"data.eval_source = {cfg.data.eval_source}"
-            if cfg.data.eval_source
-            else f"data.eval_fraction = {cfg.data.eval_fraction}"
-        )
-        train, held_out = (
-            Split(
-                docs, *data.pack(docs, tokenizer, seq, vocab, split=f"the {name} split ({held_out_from})", cache=cache)
-            )
-            for docs, name in zip(documents, ("training", "held-out"), strict=True)
-        )
+        train, held_out, cached = _packed(cfg, r, documents, tokenizer)
         stage.result = (
-            f"{train.ids.shape[0]:,} training and {held_out.ids.shape[0]:,} held-out sequences of {seq} tokens"
+            f"{train.ids.shape[0]:,} training and {held_out.ids.shape[0]:,} held-out sequences of "
+            f"{r.batch.seq_len} tokens" + (" (packed by an earlier run: the same data and tokenizer)" if cached else "")
         )
     per_step = r.batch.micro_batch_size * env.world
     if train.ids.shape[0] < per_step and not cfg.train.overfit_batches:
         raise ConfigError(
             "batch.micro_batch_size",
             f"{r.batch.micro_batch_size} per rank x {env.world} rank(s) needs {per_step} sequences at once, but the "
-            f"training split packs to {train.ids.shape[0]} of {seq} tokens: samples would repeat within a batch",
+            f"training split packs to {train.ids.shape[0]} of {r.batch.seq_len} tokens: samples would repeat "
+            "within a batch",
             "lower batch.micro_batch_size or batch.seq_len, or add data",
         )
     if cfg.train.epochs:
@@ -170,13 +169,39 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, l
         cfg=cfg,
         resolved=r,
         env=env,
-        tokenizer=tokenizer,
+        load_tokenizer=tokenizer,
         train=train,
         eval=held_out,
         model=model,
         load_peak_bytes=meter.peak_bytes if meter else None,
         locks=locks,
     )
+
+
+def _packed(cfg: C.RunConfig, r: Resolved, documents: tuple, tokenizer: Callable[[], object]) -> tuple:
+    """(training Split, held-out Split, whether both came from the cache): each split packed by
+    data.pack, or read back from the packed-split cache (data.cached_pack) that a run on the same
+    documents, tokenizer files and sequence length left; only a miss loads the tokenizer."""
+    seq, vocab, cache = r.batch.seq_len, r.spec.vocab_size, data.cache_dir(cfg.model.cache_dir)
+    held_out_from = (
+        f"data.eval_source = {cfg.data.eval_source}"
+        if cfg.data.eval_source
+        else f"data.eval_fraction = {cfg.data.eval_fraction}"
+    )
+    source = weights.tokenizer_dir(cfg)
+    splits, hits = [], 0
+    for docs, name in zip(documents, ("training", "held-out"), strict=True):
+        key = data.pack_key(docs, source, seq)
+        packed = data.cached_pack(cache, key, seq, vocab)
+        if packed is None:
+            split = f"the {name} split ({held_out_from})"
+            packed = data.pack(docs, tokenizer(), seq, vocab, split=split, cache=cache)
+            with contextlib.suppress(OSError):  # a cache that cannot be written only costs the next run
+                data.store_pack(cache, key, *packed)
+        else:
+            hits += 1
+        splits.append(Split(docs, *packed))
+    return splits[0], splits[1], hits == 2
 
 
 def default_output_dir(env: dist.DistEnv) -> str:

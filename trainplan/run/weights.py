@@ -138,13 +138,18 @@ def as_built(cfg: RunConfig, spec: ModelSpec) -> ModelSpec:
     return dataclasses.replace(spec, config=json.loads((directory / "config.json").read_text()))
 
 
+def tokenizer_dir(cfg: RunConfig) -> Path:
+    """Where the run's tokenizer is: the model's own directory; for random-init presets, the
+    embedded SmolLM2 tokenizer's."""
+    directory = weights_dir(cfg) if is_pretrained(cfg) else None
+    return directory if directory is not None else gguf_cache(default_gguf_path(), cfg.model.cache_dir)
+
+
 def load_tokenizer(cfg: RunConfig, spec: ModelSpec):
     """The model's own tokenizer; for random-init presets, the embedded SmolLM2 tokenizer."""
     import transformers
 
-    directory = weights_dir(cfg) if is_pretrained(cfg) else None
-    if directory is None:
-        directory = gguf_cache(default_gguf_path(), cfg.model.cache_dir)
+    directory = tokenizer_dir(cfg)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
     except (OSError, ValueError) as e:
