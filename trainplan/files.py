@@ -233,15 +233,7 @@ def read_json(path: Path, field: str, *, max_bytes: int = MAX_JSON_BYTES):
     """The JSON document in a file trainplan reads back (a run's record, a checkpoint's state): size and
     nesting bounded before and while parsing, UTF-8 only. A bad file is a ConfigError naming `field`
     and the file; the caller checks the shape it needs."""
-    try:
-        size = path.stat().st_size
-        if size > max_bytes:
-            raise ConfigError(field, f"{str(path)!r} is {size:,} bytes, not a trainplan file", "give the file it wrote")
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(field, f"{str(path)!r} is not UTF-8 text", "give the file trainplan wrote") from None
-    except OSError as e:
-        raise ConfigError(field, f"cannot read {str(path)!r} ({e.strerror})", "give a readable file") from None
+    text = read_text(path, field, max_bytes=max_bytes)
     try:
         return parse_nested(json.loads, text, field, repr(str(path)))
     except ValueError as e:
