@@ -336,6 +336,11 @@ class StorageTracker(TorchDispatchMode):
         self.events: list[tuple] | None = None
         self._event_keys: dict[int, int] = {}  # id(storage) -> its key in `events` (ids are reused)
         self._serial = itertools.count()
+        # Autograd sums a tied parameter's two gradients into the first one's buffer when no dispatch
+        # mode is active, and into a third tensor while one is (this mode included). True: do the sum
+        # in place as an unmeasured run does, so the tracker does not perturb what it measures.
+        self.sum_tied_in_place = True
+        self._tied: set[tuple[tuple[int, ...], torch.dtype]] = set()  # (shape, dtype) of tied parameters
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _add(self, t: torch.Tensor, category: str) -> None:
@@ -393,6 +398,11 @@ class StorageTracker(TorchDispatchMode):
         """Register what exists before the step: parameters, buffers, gradients kept between steps
         (DDP's buckets), optimizer state, the batch."""
         self._params = [p for p in model.parameters()]
+        seen: set[int] = set()
+        for _, p in model.named_parameters(remove_duplicate=False):  # a tied parameter comes twice
+            if id(p) in seen and p.requires_grad:
+                self._tied.add((tuple(p.shape), p.dtype))
+            seen.add(id(p))
         for p in self._params:
             self._add(p, "params")
             if p.grad is not None:
@@ -438,10 +448,30 @@ class StorageTracker(TorchDispatchMode):
         if body is not None:
             with self:
                 return body(*args, **kwargs)
+        if self._tied and func is torch.ops.aten.add.Tensor and self._tied_gradient_sum(args, kwargs):
+            summed = args[0].add_(args[1])
+            entry = self._live.get(id(summed.untyped_storage()))
+            if entry is not None:  # a gradient from now on (the fused loss made the head's in forward)
+                entry[2] = self.phase
+            return summed
         out = func(*args, **kwargs)
         category = "optimizer" if self._in_optimizer else "activations"
         tree_map_only(torch.Tensor, lambda t: self._add(t, category), out)
         return out
+
+    def _tied_gradient_sum(self, args, kwargs) -> bool:
+        """Is this add autograd's sum of a tied parameter's two gradients (engine.cpp's InputBuffer
+        accumulate: `old_var + var` when a Python mode makes every tensor subclass-like; without one,
+        `old_var.add_(var)` when the engine holds old_var's only reference, as with the head's gradient
+        that the fused loss returns)? In backward, two same-shape dense tensors of a tied parameter's
+        shape and dtype, no alpha."""
+        if not self.sum_tied_in_place or kwargs or len(args) != 2 or torch._C._current_graph_task_id() == -1:
+            return False
+        a, b = args
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or torch.is_grad_enabled():
+            return False
+        same = a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+        return same and (tuple(a.shape), a.dtype) in self._tied and a.is_contiguous() and not a.requires_grad
 
     def __enter__(self):
         self._depth = getattr(self, "_depth", 0) + 1

@@ -111,9 +111,12 @@ def _fsdp_root_reduce(ctx: RankContext, start: PhaseBill, grads: GradTerm, acts:
 def _embedding_backward(ctx: RankContext, end: PhaseBill, grads: GradTerm, acts: ActTerm) -> PhaseBill | None:
     """The embedding's backward, the last of all: every other gradient exists, and
     embedding_dense_backward forms a vocab x hidden gradient. Tied to the head, the head's gradient
-    waits in autograd's input buffer for it and the two are summed into a third (measured on the
-    trace: 3 vocab x hidden tensors at once). Where the vocabulary is large beside a layer
-    (SmolLM2: 28M of 135M parameters), this moment is the backward peak."""
+    waits in autograd's input buffer for it, and autograd adds the embedding's into the head's in
+    place (engine.cpp's InputBuffer accumulate: the engine holds the head's only reference): 2 vocab x
+    hidden tensors at once, measured by the profiler with no dispatch mode. (Under a Python dispatch
+    mode the sum would be a third tensor; the tracker does it in place, as an unmeasured run does.)
+    Where the vocabulary is large beside a layer (SmolLM2: 28M of 135M parameters), this moment is the
+    backward peak."""
     emb = ctx.tensors.select("embedding")
     if not emb or not (ctx.full and ctx.first) or ctx.shards.fsdp or ctx.shards.g > 1:
         return None
@@ -121,8 +124,8 @@ def _embedding_backward(ctx: RankContext, end: PhaseBill, grads: GradTerm, acts:
     formed = _tp_numel(emb, ctx.tp) * ctx.prec.grad_bytes
     tied = ctx.spec.tie_word_embeddings
     waiting = (
-        "the head's gradient waiting for the tied embedding's, the embedding's, and their sum",
-        3 * formed * tied,
+        "the head's gradient waiting for the tied embedding's, and the embedding's, summed into the head's",
+        2 * formed * tied,
     )
     return end.with_(
         weight_copies=0,  # every layer's backward has consumed its casts
