@@ -52,6 +52,9 @@ def run_row(row: dict) -> dict:
     from trainplan.plan import analytic, traced
 
     settings = list(row["settings"])
+    if not any(s.startswith("memory.expandable_segments=") for s in settings):
+        # rows recorded before gpu_validate set the mode per row ran torch's default allocator mode
+        settings.append("memory.expandable_segments=false")
     chosen = row["config"].get("checkpointing_chosen")  # "auto": the planner's note of what it chose
     if chosen:  # replay the count that ran, whatever the planner would choose today
         count = re.search(r"(\d+) of \d+ layers", chosen)
