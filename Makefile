@@ -53,9 +53,10 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed browser launch-extras slurm
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
-# No test that starts a process (CLI subprocesses, torchrun, browsers) and none marked slow.
+# No test that starts a process (CLI subprocesses, torchrun, browsers) and none marked slow; on the same
+# two workers as `make test`.
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not slow and not multiprocess" --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not multiprocess" --durations=15
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

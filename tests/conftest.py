@@ -27,6 +27,69 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: order.get(item.nodeid.split("::")[0], len(order)))  # stable: the rest as collected
 
 
+# Process launches per test file (issue 47): every subprocess.Popen the suite makes, as torchrun (a
+# torch.distributed.run launcher and its ranks), trainplan (one `python -m trainplan` process) or other
+# (browsers, SLURM daemons, scripts). Printed in the terminal summary; xdist workers send theirs to the
+# controller (workeroutput), which prints the whole suite's.
+LAUNCHES: dict[str, dict[str, int]] = {}
+_CURRENT_FILE = ["(outside any test: xdist workers, collection)"]
+
+
+def _launch_kind(args) -> str:
+    argv = [str(a) for a in ([args] if isinstance(args, (str, bytes)) else args)]
+    text = " ".join(argv)
+    if "torch.distributed.run" in text or any(a.endswith("torchrun") for a in argv):
+        return "torchrun"
+    if "-m trainplan" in text or any(a.endswith("/trainplan") for a in argv):
+        return "trainplan"
+    return "other"
+
+
+def pytest_configure(config):
+    import subprocess
+
+    original = subprocess.Popen.__init__
+
+    def counted(self, args, *rest, **kwargs):
+        original(self, args, *rest, **kwargs)  # counted once started: a refused launch is none
+        per_file = LAUNCHES.setdefault(_CURRENT_FILE[0], {"torchrun": 0, "trainplan": 0, "other": 0})
+        per_file[_launch_kind(args)] += 1
+
+    subprocess.Popen.__init__ = counted
+    config._launch_counter = (subprocess.Popen, original)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _CURRENT_FILE[0] = item.nodeid.split("::")[0]
+    return (yield)
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the counts to the controller
+        session.config.workeroutput["launches"] = json.dumps(LAUNCHES)
+
+
+def pytest_testnodedown(node, error):  # xdist's controller, as each worker finishes
+    for path, kinds in json.loads(getattr(node, "workeroutput", {}).get("launches", "{}")).items():
+        mine = LAUNCHES.setdefault(path, {"torchrun": 0, "trainplan": 0, "other": 0})
+        for kind, n in kinds.items():
+            mine[kind] += n
+
+
+def pytest_terminal_summary(terminalreporter):
+    if hasattr(terminalreporter.config, "workeroutput") or not LAUNCHES:
+        return
+    rows = sorted(LAUNCHES.items(), key=lambda kv: -sum(kv[1].values()))
+    total = {k: sum(v[k] for v in LAUNCHES.values()) for k in ("torchrun", "trainplan", "other")}
+    terminalreporter.section("process launches per file (torchrun / trainplan / other)")
+    for path, kinds in rows:
+        terminalreporter.write_line(f"{kinds['torchrun']:4d} {kinds['trainplan']:4d} {kinds['other']:4d}  {path}")
+    terminalreporter.write_line(
+        f"{total['torchrun']:4d} {total['trainplan']:4d} {total['other']:4d}  in all: {sum(total.values())} launches"
+    )
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _registry(tmp_path_factory):
     """In-process runs made by the tests go to a registry of their own, never the user's (runs in
