@@ -102,6 +102,10 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
             f"use batch.seq_len <= {context}, or set model.extend_context = true for RoPE-scaled use",
         )
     if features.lora.on(cfg):
+        if spec.derived:  # its targets resolve against the real module's linear layers
+            from trainplan.plan import derived
+
+            spec = derived.with_layout(spec, cfg)
         cfg = features.lora.with_modules(cfg, spec)
     for name in ("memory_budget", "host_mem"):  # refused now, whether or not this plan reads them
         if getattr(cfg.hardware, name):

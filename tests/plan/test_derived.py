@@ -117,3 +117,45 @@ def test_what_cannot_be_derived_is_refused_naming_what_is_needed(tmp_path):
     qwen = _config(tmp_path, "qwen3")
     with pytest.raises(ConfigError, match="parallel.tp: qwen3 has no hand-written terms"):
         analytic.plan(_cfg(qwen, "hardware.gpus=2xH100-80GB", "parallel.tp=2"))
+
+
+@pytest.mark.parametrize(
+    ("hf", "attention", "linears"),
+    [
+        # GPT-NeoX: one fused query_key_value linear, its own MLP names
+        (
+            "GPTNeoXConfig",
+            ("query_key_value",),
+            {"query_key_value": (64, 192), "dense": (64, 64), "dense_h_to_4h": (64, 128), "dense_4h_to_h": (128, 64)},
+        ),
+        # Phi (Phi-2 style): separate q, k, v; dense; fc1 and fc2 reading the same normed input as attention
+        (
+            "PhiConfig",
+            ("q_proj", "v_proj"),
+            {"q_proj": (64, 64), "k_proj": (64, 64), "v_proj": (64, 64), "dense": (64, 64), "fc1": (64, 128), "fc2": (128, 64)},
+        ),
+    ],
+)
+def test_lora_targets_resolve_against_the_models_own_linear_layers(tmp_path, hf, attention, linears):
+    """A derived architecture's LoRA targets are its real module's names: "attention" is q and v, or the
+    fused qkv by whatever name it has; "all-linear" every linear of a layer; a name it lacks is refused
+    with the names it has."""
+    small = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 256}
+    config = getattr(transformers, hf)(num_hidden_layers=2, max_position_embeddings=128, **small)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config.to_dict()))
+    base = [f"model.source={path}", "hardware.gpus=cpu", "batch.seq_len=32", "mode=lora"]
+    from trainplan.resolve import resolve
+
+    r = resolve(C.load(None, [*base, 'lora.target_modules=["attention"]']))
+    assert tuple(r.cfg.lora.target_modules) == attention
+    shapes = {lin.module: (lin.in_features, lin.out_features) for lin in r.spec.layer_linears}
+    assert shapes == linears
+    every = resolve(C.load(None, [*base, 'lora.target_modules=["all-linear"]']))
+    assert sorted(every.cfg.lora.target_modules) == sorted(linears)
+    adapter = analytic.plan(every.cfg).devices[0].phases["forward"]["adapter"]
+    r8 = 8 * sum(i + o for i, o in linears.values()) * 2  # lora_A and lora_B per linear, 2 layers
+    assert adapter >= r8 * 4  # fp32 adapters at least (their gradients and states come on top)
+    missing = "gate_proj"
+    with pytest.raises(ConfigError, match=rf"'{missing}' matches no linear layer .* its linear layers are {', '.join(sorted(linears))}"):
+        resolve(C.load(None, [*base, f'lora.target_modules=["{missing}"]']))

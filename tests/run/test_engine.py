@@ -291,10 +291,12 @@ def test_epochs_set_the_steps_from_the_packed_training_split(tiny_run, tmp_path)
         C.load(None, ["train.epochs=-1"])
 
 
-@pytest.mark.parametrize(("kind", "mode"), [("qwen3", "lora"), ("gemma3", "full")])
+@pytest.mark.parametrize(("kind", "mode"), [("qwen3", "lora"), ("gemma3", "full"), ("gpt_neox", "lora")])
 def test_qwen3_and_gemma3_train_and_measure_as_their_derived_plan(tmp_path, kind, mode):
     """Architectures without hand-written terms run in the engine, keep their mode's contract, and
-    their measured step agrees with the plan from derived terms (accept's own memory check, ±5 %)."""
+    their measured step agrees with the plan from derived terms (accept's own memory check, ±5 %).
+    GPT-NeoX: one fused query_key_value linear and a parallel block; LoRA's "attention" is that
+    linear, by the model's own name."""
     import transformers
 
     from trainplan.plan import analytic
@@ -310,7 +312,10 @@ def test_qwen3_and_gemma3_train_and_measure_as_their_derived_plan(tmp_path, kind
         "vocab_size": 49152,  # the embedded tokenizer's
         "max_position_embeddings": 256,
     }
-    hf = transformers.Qwen3Config(**small) if kind == "qwen3" else transformers.Gemma3TextConfig(**small)
+    if kind == "gpt_neox":
+        small = {k: v for k, v in small.items() if k not in ("num_key_value_heads", "head_dim")}
+    configs = {"qwen3": transformers.Qwen3Config, "gemma3": transformers.Gemma3TextConfig}
+    hf = configs.get(kind, transformers.GPTNeoXConfig)(**small)
     (tmp_path / "config.json").write_text(json.dumps(hf.to_dict()))
     cfg = C.load(
         None,
@@ -320,6 +325,8 @@ def test_qwen3_and_gemma3_train_and_measure_as_their_derived_plan(tmp_path, kind
     )
     record = execute(cfg, quiet=True)[0]
     assert record.contract["passed"], record.contract["detail"]
+    if kind == "gpt_neox":
+        assert record.config["lora"]["target_modules"] == ["query_key_value"]
     ledger = analytic.plan(C.load(None, [], {**_flat(record.config), "hardware.gpus": "cpu"}))
     assert any("derived" in note for note in ledger.notes)
     check = check_memory(record, ledger, 0.05)

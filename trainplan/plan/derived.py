@@ -80,6 +80,36 @@ def _key(r) -> dict:
     }
 
 
+def with_layout(spec, cfg):
+    """A derived spec with its parameter layout as the real module lists it (cached per config.json):
+    what LoRA's targets resolve against and its tensors are read from. Any other spec as it is."""
+    if not spec.derived or spec.layout:
+        return spec
+    key = {"version": VERSION, "config": spec.config}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    path = cache_dir(cfg.model.cache_dir) / f"layout-{spec.model_type}-{digest}.json"
+    try:
+        layout = json.loads(path.read_text())["layout"]
+        if not isinstance(layout, list):
+            raise TypeError(layout)
+    except (OSError, ValueError, KeyError, TypeError):  # absent or damaged: list it again
+        layout = _meta_layout(spec, cfg)
+        _write(path, {"layout": layout, "key": key})
+    return dataclasses.replace(spec, layout=tuple((name, tuple(shape)) for name, shape in layout))
+
+
+def _meta_layout(spec, cfg) -> list:
+    """[[name, shape], ...] of the real model built on the meta device (a tied head once)."""
+    import torch
+    import transformers
+
+    from trainplan.run import build
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(build.hf_config(spec, cfg))
+    return [[name, list(p.shape)] for name, p in model.named_parameters()]
+
+
 def attach(r):
     """r with its spec's layout and layer fit filled in, from the cache or traced now."""
     spec = r.spec
@@ -126,16 +156,10 @@ def _derive(r) -> dict:
     less than the others (its input needs no gradient) but is planned like them: an overestimate
     of one layer's difference, never an underestimate (a model of no layers cannot carry adapters,
     so there is nothing to trace it against)."""
-    import torch
-    import transformers
-
     from trainplan.plan import tracestep
-    from trainplan.run import build
 
     spec, cfg = r.spec, r.cfg
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(build.hf_config(spec, cfg))
-    layout = [[name, list(p.shape)] for name, p in model.named_parameters()]  # a tied head once
+    layout = [[name, list(shape)] for name, shape in spec.layout] if spec.layout else _meta_layout(spec, cfg)
     casts = _layer_casts(r, layout)
     layer = {}
     for point in POINTS:

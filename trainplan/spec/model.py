@@ -133,7 +133,11 @@ class ModelSpec:
 
     @functools.cached_property
     def layer_linears(self) -> tuple[LinearShape, ...]:
-        """The dense linear layers of one decoder layer (MoE experts are listed separately)."""
+        """The dense linear layers of one decoder layer (MoE experts are listed separately). A derived
+        architecture's are its real module's, read from its layout: names, shapes and biases as
+        transformers builds them (a GPT-NeoX layer's fused `query_key_value`, Phi-2's `dense`, `fc1`)."""
+        if self.layout:
+            return _layout_linears(self.layout)
         h, i = self.hidden_size, self.intermediate_size
         if self.model_type == "gpt2":
             return (
@@ -325,6 +329,31 @@ def _from_layout(name: str, shape) -> ParamTensor:
     else:
         role = "bias"
     return ParamTensor(name=name, module=module, shape=shape, layer=layer, role=role)
+
+
+def _layout_linears(layout) -> tuple[LinearShape, ...]:
+    """The first decoder layer's 2-D weights in registration order, as linear layers: (out, in), a bias
+    where the same module has one, the attention group where the path says attention."""
+    first = [_from_layout(name, shape) for name, shape in layout]
+    first = [t for t in first if t.layer == min((u.layer for u in first if u.layer is not None), default=None)]
+    biased = {t.name.rsplit(".", 1)[0] for t in first if t.name.endswith(".bias")}
+    out: dict[str, LinearShape] = {}
+    for t in first:
+        if t.role != "linear" or not t.name.endswith(".weight"):
+            continue
+        path = t.name.rsplit(".", 1)[0]
+        attn = any(part in ("attn", "attention", "self_attn", "self_attention") for part in path.split("."))
+        out.setdefault(
+            t.module,
+            LinearShape(
+                module=t.module,
+                in_features=t.shape[1],
+                out_features=t.shape[0],
+                bias=path in biased,
+                group="attn" if attn else "mlp",
+            ),
+        )
+    return tuple(out.values())
 
 
 # what a decoder-only config must say for its terms to be derived from a trace (plan/derived.py)
