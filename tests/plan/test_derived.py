@@ -159,3 +159,27 @@ def test_lora_targets_resolve_against_the_models_own_linear_layers(tmp_path, hf,
     missing = "gate_proj"
     with pytest.raises(ConfigError, match=rf"'{missing}' matches no linear layer .* its linear layers are {', '.join(sorted(linears))}"):
         resolve(C.load(None, [*base, f'lora.target_modules=["{missing}"]']))
+
+
+@pytest.mark.parametrize("hf", ["PhiConfig", "GPTNeoXConfig"])
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_parallel_block_and_fused_qkv_architectures_plan_as_they_trace(tmp_path, hf, mode):
+    """Phi (attention and MLP read one normed input in parallel) and GPT-NeoX (one fused qkv linear),
+    4 layers at micro-batch 3 x seq 96, against the step on real tensors. Full fine-tuning: within 2 %
+    of the peak. LoRA: never under, and over by less than one layer's saved bytes (the first layer,
+    whose input needs no gradient, is planned as the others). Before the fit read the end of forward,
+    Phi's LoRA plan was 15 % under: a 1-layer model's forward peak sits inside its MLP."""
+    small = {"hidden_size": 64, "intermediate_size": 256, "num_attention_heads": 4, "vocab_size": 256}
+    config = getattr(transformers, hf)(num_hidden_layers=4, max_position_embeddings=512, **small)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config.to_dict()))
+    cfg = _cfg(str(path), f"mode={mode}", "precision=fp32")
+    result, r = traced.trace(cfg, real=True)
+    ledger = analytic.plan(cfg)
+    layer = derived.attach(r).spec.layer_fit.nbytes(3, 96)
+    for phase in ("forward", "backward"):
+        diff = ledger.devices[0].phase_total(phase) - sum(result.phases[phase].values())
+        if mode == "full":
+            assert abs(diff) <= 0.02 * result.peak_bytes, (phase, diff)
+        else:
+            assert 0 <= diff <= layer, (phase, diff, layer)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from trainplan.features import lora, sharding
 
-VERSION = 2  # bump when the traced step or the fit changes
+VERSION = 3  # bump when the traced step or the fit changes
 POINTS = ((1, 64), (2, 64), (1, 128), (2, 128))  # (micro-batch, seq)
 
 
@@ -166,9 +166,12 @@ def _derive(r) -> dict:
         forward = {}
         for depth in (1, 2):
             shallow = shallow_job(r, *point, depth)
-            phases = tracestep.traced_step(shallow, real=False, target=_target(r), world=1)[0]
-            raw = phases["forward"]
-            forward[depth] = raw.get("activations", 0) + raw.get("inputs", 0)
+            entering: dict = {}
+            tracestep.traced_step(shallow, real=False, target=_target(r), world=1, entering=entering)
+            # at the end of forward, not at its peak: a small model's peak can sit inside a layer (its
+            # MLP's temporaries), and then the peaks of 1 and 2 layers differ by less than a layer
+            saved = entering["backward"]
+            forward[depth] = saved.get("activations", 0) + saved.get("inputs", 0)
         layer[point] = forward[2] - forward[1] - casts
     return {
         "fit": dataclasses.asdict(LayerFit.from_points(layer)),

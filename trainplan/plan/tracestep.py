@@ -17,6 +17,7 @@ class PhasePeaks:
         self.phases: dict[str, dict[str, int]] = {}
         self.current: str | None = None
         self.measuring = False
+        self.entering: dict[str, dict[str, int]] = {}  # what is live as each phase of the measured step begins
 
     def on_phase(self, name: str) -> None:
         if self.tracker.events is not None:  # the allocator replay's phase marks; the warm-up step's apart
@@ -26,6 +27,8 @@ class PhasePeaks:
             old = self.phases.get(self.current)
             if old is None or sum(snap.values()) > sum(old.values()):
                 self.phases[self.current] = snap
+        if self.measuring:
+            self.entering[name] = dict(self.tracker.totals)
         self.tracker.reset_peak()
         self.current = None if name == "end" else name
 
@@ -47,10 +50,21 @@ def two_steps(r: resolve.Resolved, model, optimizer, micro_batches, tokens: int,
                 step.train_step(model, step.Update(optimizer), micro_batches, settings, token_count=tokens, hooks=hooks)
 
 
-def traced_step(r: resolve.Resolved, *, real: bool, target: str, world: int, mesh=None, events: list | None = None):
+def traced_step(
+    r: resolve.Resolved,
+    *,
+    real: bool,
+    target: str,
+    world: int,
+    mesh=None,
+    events: list | None = None,
+    entering: dict | None = None,
+):
     """Build the model as the engine does, then trace two steps: (phase peaks, adapter bytes,
     optimizer state bytes, trainable shapes). events: a list to fill with the allocation stream (the
-    model, batch and optimizer state first, then both steps), for plan/allocator.py to replay."""
+    model, batch and optimizer state first, then both steps), for plan/allocator.py to replay.
+    entering: a dict to fill with what is live, by category, as each phase of the measured step
+    begins (at "backward": what the forward saved, and the loss)."""
     import torch
 
     from trainplan import _torch_private as P
@@ -79,6 +93,8 @@ def traced_step(r: resolve.Resolved, *, real: bool, target: str, world: int, mes
         peaks = PhasePeaks(tracker)
         kernels = P.cuda_kernels() if target == "cuda" and not real else contextlib.nullcontext()
         two_steps(r, model, optimizer, micro_batches, tokens, peaks, kernels)
+        if entering is not None:
+            entering.update(peaks.entering)
         trainable = [p for p in model.parameters() if p.requires_grad]
         adapter_params = sum(measure.local_nbytes(p) for p in trainable) if cfg.mode == "lora" else 0
         opt_state = [t for s in optimizer.state.values() for t in s.values()] if optimizer is not None else []
