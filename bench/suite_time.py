@@ -30,12 +30,18 @@ TARGETS = {"test": "make test", "fast": "make test-fast"}
 
 def machine() -> str:
     cpu = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in line),
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if "model name" in line
+        ),
         "unknown CPU",
     )
     flags = Path("/proc/cpuinfo").read_text()
     isa = "AVX512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "no AVX2"
-    mem = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal"))
+    mem = next(
+        int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")
+    )
     return f"{cpu} ({isa}), {os.cpu_count()} cores, {mem / 2**20:.0f} GiB"
 
 
@@ -52,7 +58,7 @@ def parse(log: str) -> dict:
         "tally": tally,
         "seconds": float(seconds),
         "slowest": [(float(s), phase, node) for s, phase, node in slowest][:15],
-        "launches": dict(zip(("torchrun", "trainplan", "other", "all"), map(int, launches.groups())))
+        "launches": dict(zip(("torchrun", "trainplan", "other", "all"), map(int, launches.groups()), strict=True))
         if launches
         else None,
     }

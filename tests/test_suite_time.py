@@ -21,7 +21,11 @@ def test_a_run_log_gives_its_tests_time_slowest_and_launches(bench_script):
     r = suite.parse(LOG)
     assert r["tally"] == {"passed": 1747, "skipped": 22, "warnings": 7}
     assert r["seconds"] == 908.21
-    assert r["slowest"][0] == (208.10, "call", "tests/run/test_fault_injection.py::test_kill_anywhere_then_resume_auto_is_bitwise[fsdp2]")
+    assert r["slowest"][0] == (
+        208.10,
+        "call",
+        "tests/run/test_fault_injection.py::test_kill_anywhere_then_resume_auto_is_bitwise[fsdp2]",
+    )
     assert r["launches"] == {"torchrun": 34, "trainplan": 73, "other": 3, "all": 110}
     text = suite.block({"test": {**r, "wall": 1000.0}}, "a test machine")
     assert "| `make test` | 1,747 / 22 | 908 s (15.1 min) | 1,000 s | 34 / 73 / 3 |" in text

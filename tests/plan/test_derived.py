@@ -132,7 +132,14 @@ def test_what_cannot_be_derived_is_refused_naming_what_is_needed(tmp_path):
         (
             "PhiConfig",
             ("q_proj", "v_proj"),
-            {"q_proj": (64, 64), "k_proj": (64, 64), "v_proj": (64, 64), "dense": (64, 64), "fc1": (64, 128), "fc2": (128, 64)},
+            {
+                "q_proj": (64, 64),
+                "k_proj": (64, 64),
+                "v_proj": (64, 64),
+                "dense": (64, 64),
+                "fc1": (64, 128),
+                "fc2": (128, 64),
+            },
         ),
     ],
 )
@@ -157,7 +164,9 @@ def test_lora_targets_resolve_against_the_models_own_linear_layers(tmp_path, hf,
     r8 = 8 * sum(i + o for i, o in linears.values()) * 2  # lora_A and lora_B per linear, 2 layers
     assert adapter >= r8 * 4  # fp32 adapters at least (their gradients and states come on top)
     missing = "gate_proj"
-    with pytest.raises(ConfigError, match=rf"'{missing}' matches no linear layer .* its linear layers are {', '.join(sorted(linears))}"):
+    with pytest.raises(
+        ConfigError, match=rf"'{missing}' matches no linear layer .* its linear layers are {', '.join(sorted(linears))}"
+    ):
         resolve(C.load(None, [*base, f'lora.target_modules=["{missing}"]']))
 
 

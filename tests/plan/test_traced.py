@@ -204,7 +204,7 @@ def _profiled_peaks(cfg) -> dict[str, int]:
 
 @pytest.mark.parametrize("case", ["fp32", "amp-bf16", "lora-amp", "tied-vocab"])
 def test_trace_matches_the_profilers_allocator_events(tiny_dir, case):
-    """"tied-vocab": autograd sums the head's and the embedding's gradients into the head's when no dispatch
+    """ "tied-vocab": autograd sums the head's and the embedding's gradients into the head's when no dispatch
     mode is active (the profiler's run), into a third tensor under one (the tracker); the tracker does
     the sum in place as the unmeasured run does, so the two agree."""
     cfg = cfg_for(tiny_dir, case)
