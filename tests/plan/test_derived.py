@@ -78,15 +78,18 @@ def test_a_derived_plan_agrees_with_the_full_trace(tmp_path, kind, sets, bound):
         assert abs(diff) <= bound * result.peak_bytes, (phase, diff)
 
 
-def test_under_lora_the_derived_plan_never_underestimates(tmp_path):
-    """LoRA's first layer saves less than the others but is planned like them (nothing with no
-    layers can carry adapters to trace it against): over, by less than one layer's saved bytes."""
+def test_under_lora_the_first_layer_is_measured_too(tmp_path):
+    """LoRA's first layer saves less than the others (its input needs no gradient): measured as what a
+    2-layer model saves more once the embedding's output requires a gradient, and planned so (the plan
+    was one layer's difference over, +3 % here, when it planned the first layer like the others)."""
     cfg = _cfg(_config(tmp_path, "qwen3"), "mode=lora", "precision=fp32")
-    result, _ = traced.trace(cfg)
+    result, r = traced.trace(cfg)
     led = analytic.plan(cfg).devices[0]
+    spec = derived.attach(r).spec
+    assert spec.first_layer_fit.nbytes(3, 96) < spec.layer_fit.nbytes(3, 96)
     for phase in ("forward", "backward"):
         diff = led.phase_total(phase) - sum(result.phases[phase].values())
-        assert 0 <= diff <= 0.06 * result.peak_bytes, (phase, diff)
+        assert abs(diff) <= 0.002 * result.peak_bytes, (phase, diff)
 
 
 @pytest.mark.multiprocess
@@ -174,21 +177,18 @@ def test_lora_targets_resolve_against_the_models_own_linear_layers(tmp_path, hf,
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_parallel_block_and_fused_qkv_architectures_plan_as_they_trace(tmp_path, hf, mode):
     """Phi (attention and MLP read one normed input in parallel) and GPT-NeoX (one fused qkv linear),
-    4 layers at micro-batch 3 x seq 96, against the step on real tensors. Full fine-tuning: within 2 %
-    of the peak. LoRA: never under, and over by less than one layer's saved bytes (the first layer,
-    whose input needs no gradient, is planned as the others). Before the fit read the end of forward,
-    Phi's LoRA plan was 15 % under: a 1-layer model's forward peak sits inside its MLP."""
+    4 layers at micro-batch 3 x seq 96, against the step on real tensors: full fine-tuning within 2 %
+    of the peak, LoRA within 1 % (measured 2026-12-05: +0.7 % and +0.9 %; LoRA +0.06 % and +0.15 %).
+    Before the fit read the end of forward, Phi's LoRA plan was 15 % under (a 1-layer model's forward
+    peak sits inside its MLP); before the first layer was measured, 17 % over (under LoRA a parallel
+    block's first MLP saves nothing)."""
     small = {"hidden_size": 64, "intermediate_size": 256, "num_attention_heads": 4, "vocab_size": 256}
     config = getattr(transformers, hf)(num_hidden_layers=4, max_position_embeddings=512, **small)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config.to_dict()))
     cfg = _cfg(str(path), f"mode={mode}", "precision=fp32")
-    result, r = traced.trace(cfg, real=True)
+    result, _ = traced.trace(cfg, real=True)
     ledger = analytic.plan(cfg)
-    layer = derived.attach(r).spec.layer_fit.nbytes(3, 96)
     for phase in ("forward", "backward"):
         diff = ledger.devices[0].phase_total(phase) - sum(result.phases[phase].values())
-        if mode == "full":
-            assert abs(diff) <= 0.02 * result.peak_bytes, (phase, diff)
-        else:
-            assert 0 <= diff <= layer, (phase, diff, layer)
+        assert abs(diff) <= (0.02 if mode == "full" else 0.01) * result.peak_bytes, (phase, diff)

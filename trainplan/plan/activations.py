@@ -300,12 +300,10 @@ def _experts_saved(spec: ModelSpec, ctx: ActContext) -> list[SavedTensor]:
 def layer_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bool = True) -> list[SavedTensor]:
     """Everything one decoder layer saves for backward during one micro-batch."""
     if spec.layer_fit is not None:  # an architecture without hand-written terms (plan/derived.py)
-        return [
-            SavedTensor(
-                name="decoder layer (derived from a trace of 1 and 2 layers)",
-                nbytes=spec.layer_fit.nbytes(ctx.batch, ctx.seq),
-            )
-        ]
+        first = not input_requires_grad and spec.first_layer_fit is not None  # LoRA's first layer, measured
+        fit = spec.first_layer_fit if first else spec.layer_fit
+        name = "the first decoder layer, its input needing no gradient" if first else "decoder layer"
+        return [SavedTensor(name=f"{name} (derived from a trace of 1 and 2 layers)", nbytes=fit.nbytes(ctx.batch, ctx.seq))]
     return attention_saved(spec, ctx, input_requires_grad=input_requires_grad) + mlp_saved(spec, ctx)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from trainplan.features import lora, sharding
 
-VERSION = 3  # bump when the traced step or the fit changes
+VERSION = 4  # bump when the traced step or the fit changes
 POINTS = ((1, 64), (2, 64), (1, 128), (2, 128))  # (micro-batch, seq)
 
 
@@ -125,8 +125,9 @@ def attach(r):
         entry = _derive(r)
         _write(path, {**entry, "key": key})
     fit = LayerFit(**entry["fit"])
+    first = LayerFit(**entry["first_fit"]) if entry.get("first_fit") else None
     layout = tuple((name, tuple(shape)) for name, shape in entry["layout"])
-    spec = dataclasses.replace(spec, layer_fit=fit, layout=layout)
+    spec = dataclasses.replace(spec, layer_fit=fit, first_layer_fit=first, layout=layout)
     return dataclasses.replace(r, spec=spec)
 
 
@@ -161,20 +162,26 @@ def _derive(r) -> dict:
     spec, cfg = r.spec, r.cfg
     layout = [[name, list(shape)] for name, shape in spec.layout] if spec.layout else _meta_layout(spec, cfg)
     casts = _layer_casts(r, layout)
-    layer = {}
+    adapters = lora.on(cfg)
+    layer, first = {}, {}
     for point in POINTS:
-        forward = {}
-        for depth in (1, 2):
+        saved = {}
+        for depth, input_grads in ((1, False), (2, False), *(((2, True),) if adapters else ())):
             shallow = shallow_job(r, *point, depth)
             entering: dict = {}
-            tracestep.traced_step(shallow, real=False, target=_target(r), world=1, entering=entering)
+            tracestep.traced_step(
+                shallow, real=False, target=_target(r), world=1, entering=entering, input_grads=input_grads
+            )
             # at the end of forward, not at its peak: a small model's peak can sit inside a layer (its
             # MLP's temporaries), and then the peaks of 1 and 2 layers differ by less than a layer
-            saved = entering["backward"]
-            forward[depth] = saved.get("activations", 0) + saved.get("inputs", 0)
-        layer[point] = forward[2] - forward[1] - casts
+            live = entering["backward"]
+            saved[depth, input_grads] = live.get("activations", 0) + live.get("inputs", 0)
+        layer[point] = saved[2, False] - saved[1, False] - casts
+        if adapters:  # the first layer saves less by what it saves once its input needs a gradient
+            first[point] = layer[point] - (saved[2, True] - saved[2, False])
     return {
         "fit": dataclasses.asdict(LayerFit.from_points(layer)),
+        "first_fit": dataclasses.asdict(LayerFit.from_points(first)) if adapters else None,
         "layout": layout,
         "points": {f"{b}x{s}": layer[(b, s)] for b, s in POINTS},
     }

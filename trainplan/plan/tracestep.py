@@ -59,12 +59,15 @@ def traced_step(
     mesh=None,
     events: list | None = None,
     entering: dict | None = None,
+    input_grads: bool = False,
 ):
     """Build the model as the engine does, then trace two steps: (phase peaks, adapter bytes,
     optimizer state bytes, trainable shapes). events: a list to fill with the allocation stream (the
     model, batch and optimizer state first, then both steps), for plan/allocator.py to replay.
     entering: a dict to fill with what is live, by category, as each phase of the measured step
-    begins (at "backward": what the forward saved, and the loss)."""
+    begins (at "backward": what the forward saved, and the loss). input_grads: the embedding's output
+    requires a gradient, so that under LoRA the first layer saves what the others do (plan/derived.py
+    measures the difference)."""
     import torch
 
     from trainplan import _torch_private as P
@@ -73,6 +76,8 @@ def traced_step(
     cfg, dims, prec, batch = r.cfg, r.dims, r.precision, r.batch
     micro_steps = min(batch.grad_accum_steps, 2)  # the second micro-batch sees accumulated grads
     model = build.build_model(r.spec, cfg, prec, dims=dims if mesh is not None else None, mesh=mesh)
+    if input_grads:
+        model.enable_input_require_grads()
     with contextlib.nullcontext() if real else P.fake_mode() as fake, P.grouped_mm_any_dtype():
         if real:
             torch.manual_seed(0)

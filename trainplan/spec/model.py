@@ -102,6 +102,7 @@ class ModelSpec:
     derived: bool = False
     layout: tuple = field(default=(), compare=False, repr=False)  # ((name, shape), ...)
     layer_fit: object = field(default=None, compare=False, repr=False)  # plan.derived.LayerFit
+    first_layer_fit: object = field(default=None, compare=False, repr=False)  # under LoRA: the first layer's
 
     # ---- module layout -------------------------------------------------------------
     @property
