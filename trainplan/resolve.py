@@ -103,9 +103,9 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
         )
     if features.lora.on(cfg):
         if spec.derived:  # its targets resolve against the real module's linear layers
-            from trainplan.plan import derived
+            from trainplan.spec import layout
 
-            spec = derived.with_layout(spec, cfg)
+            spec = layout.with_layout(spec, cfg.model.cache_dir)
         cfg = features.lora.with_modules(cfg, spec)
     for name in ("memory_budget", "host_mem"):  # refused now, whether or not this plan reads them
         if getattr(cfg.hardware, name):

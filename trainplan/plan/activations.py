@@ -303,7 +303,8 @@ def layer_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bool =
         first = not input_requires_grad and spec.first_layer_fit is not None  # LoRA's first layer, measured
         fit = spec.first_layer_fit if first else spec.layer_fit
         name = "the first decoder layer, its input needing no gradient" if first else "decoder layer"
-        return [SavedTensor(name=f"{name} (derived from a trace of 1 and 2 layers)", nbytes=fit.nbytes(ctx.batch, ctx.seq))]
+        name = f"{name} (derived from a trace of 1 and 2 layers)"
+        return [SavedTensor(name=name, nbytes=fit.nbytes(ctx.batch, ctx.seq))]
     return attention_saved(spec, ctx, input_requires_grad=input_requires_grad) + mlp_saved(spec, ctx)
 
 

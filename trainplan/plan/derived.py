@@ -19,11 +19,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from trainplan.features import lora, sharding
+from trainplan.spec.layout import cache_dir, meta_layout
 
 VERSION = 4  # bump when the traced step or the fit changes
 POINTS = ((1, 64), (2, 64), (1, 128), (2, 128))  # (micro-batch, seq)
@@ -54,11 +54,6 @@ class LayerFit:
         return cls(a=a, c=c, e=e, d=d)
 
 
-def cache_dir(base: str) -> Path:
-    """Under model.cache_dir (the GGUF conversions' cache too), or $TRAINPLAN_CACHE."""
-    return Path(os.environ.get("TRAINPLAN_CACHE") or base).expanduser() / "derived"
-
-
 def cache_path(r, prefix: str, key: dict) -> Path:
     """The cache file of one key: `<prefix><model_type>-<digest>.json` under cache_dir."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
@@ -78,36 +73,6 @@ def _key(r) -> dict:
         "lora": dataclasses.asdict(cfg.lora) if lora.on(cfg) else None,
         "target": _target(r),
     }
-
-
-def with_layout(spec, cfg):
-    """A derived spec with its parameter layout as the real module lists it (cached per config.json):
-    what LoRA's targets resolve against and its tensors are read from. Any other spec as it is."""
-    if not spec.derived or spec.layout:
-        return spec
-    key = {"version": VERSION, "config": spec.config}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    path = cache_dir(cfg.model.cache_dir) / f"layout-{spec.model_type}-{digest}.json"
-    try:
-        layout = json.loads(path.read_text())["layout"]
-        if not isinstance(layout, list):
-            raise TypeError(layout)
-    except (OSError, ValueError, KeyError, TypeError):  # absent or damaged: list it again
-        layout = _meta_layout(spec, cfg)
-        _write(path, {"layout": layout, "key": key})
-    return dataclasses.replace(spec, layout=tuple((name, tuple(shape)) for name, shape in layout))
-
-
-def _meta_layout(spec, cfg) -> list:
-    """[[name, shape], ...] of the real model built on the meta device (a tied head once)."""
-    import torch
-    import transformers
-
-    from trainplan.run import build
-
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(build.hf_config(spec, cfg))
-    return [[name, list(p.shape)] for name, p in model.named_parameters()]
 
 
 def attach(r):
@@ -160,7 +125,7 @@ def _derive(r) -> dict:
     from trainplan.plan import tracestep
 
     spec, cfg = r.spec, r.cfg
-    layout = [[name, list(shape)] for name, shape in spec.layout] if spec.layout else _meta_layout(spec, cfg)
+    layout = [[name, list(shape)] for name, shape in spec.layout] if spec.layout else meta_layout(spec.config)
     casts = _layer_casts(r, layout)
     adapters = lora.on(cfg)
     layer, first = {}, {}
