@@ -66,6 +66,26 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     # bitsandbytes' CPU backend warns when peft imports it, about an optional `kernels` package
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    return leave_ranks(run_command(args))
+
+
+def leave_ranks(code: int) -> int:
+    """A rank of a multi-process run that ends on an error exits at once with its code: its process
+    group is still up (a peer may be gone), and gloo can abort at interpreter exit, which would turn
+    exit 2 into 134. A run that ended well has left through run/dist.finish already."""
+    tdist = sys.modules.get("torch.distributed")
+    if tdist is None or not tdist.is_available() or not tdist.is_initialized() or tdist.get_world_size() < 2:
+        return code
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_command(args) -> int:
+    """The command's exit code; a user's error is one line per problem, a bug one line and a saved traceback."""
     try:
         return args._run(args)
     except TrainplanError as e:  # one line a problem (a config can have several)
