@@ -123,7 +123,7 @@ def request_from_args(args: argparse.Namespace) -> Request:
     base = C.load(None, args.set, settings)
     spec = load_model_spec(base.model.source)
     if spec.derived:  # bad input, not a search that finds nothing: refused before any candidate
-        from trainplan.run.build import causal_lm_type
+        from trainplan.spec.layout import causal_lm_type
 
         causal_lm_type(spec.model_type)
     r = resolve(replace(base, mode="full", batch=C.BatchConfig(seq_len=base.batch.seq_len)), spec)  # refuses bad input

@@ -10,7 +10,7 @@ from torch import nn
 
 from trainplan import features
 from trainplan.config import RunConfig
-from trainplan.errors import ConfigError, TrainplanError, nearest
+from trainplan.errors import TrainplanError
 from trainplan.features.activation_offload import engine as activation_offload
 from trainplan.features.checkpointing import engine as checkpointing
 from trainplan.features.lora import engine as lora
@@ -18,6 +18,7 @@ from trainplan.features.qlora import engine as qlora
 from trainplan.features.sharding import engine as sharding
 from trainplan.run import loss
 from trainplan.run.converter import Build, dtypes
+from trainplan.spec.layout import causal_lm_type
 from trainplan.spec.model import ModelSpec, fused_loss_applies
 from trainplan.spec.parallel import ParallelDims
 from trainplan.spec.precision import Precision
@@ -34,27 +35,6 @@ def hf_config(spec: ModelSpec, cfg: RunConfig):
     hf._attn_implementation = spec.attention(cfg.memory.attention)
     hf.use_cache = cfg.mode == "inference"
     return hf
-
-
-def causal_lm_type(model_type: str) -> None:
-    """Refuse a model_type transformers does not know, or knows as something other than a decoder-only
-    causal LM (an encoder such as BERT, an encoder-decoder such as T5), naming what it knows."""
-    import transformers
-    from transformers.models.auto import modeling_auto as auto
-
-    known = list(transformers.CONFIG_MAPPING.keys())
-    if model_type not in known:
-        raise ConfigError(
-            "model.source",
-            f"model_type {model_type[:60]!r} is not an architecture transformers {transformers.__version__} knows",
-            nearest(model_type, known),
-        )
-    if model_type not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
-        raise ConfigError(
-            "model.source",
-            f"model_type {model_type!r} is not a decoder-only causal LM (an encoder or encoder-decoder model)",
-            "trainplan plans and trains decoder-only models such as llama, qwen2, mistral, gemma2 or gpt2",
-        )
 
 
 def buffers_to(model: nn.Module, device: torch.device | str) -> nn.Module:

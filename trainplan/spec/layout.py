@@ -13,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+from trainplan.errors import ConfigError, nearest
+
 VERSION = 1  # bump when what a layout lists changes
 
 
@@ -44,6 +46,7 @@ def meta_layout(config: dict) -> list:
     import torch
     import transformers
 
+    causal_lm_type(config["model_type"])
     hf = transformers.CONFIG_MAPPING[config["model_type"]](**config)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf)
@@ -57,3 +60,24 @@ def _write(path: Path, entry: dict) -> None:
         write_atomic(path, json.dumps(entry))
     except OSError:
         pass  # an unwritable cache costs the next plan a listing, nothing else
+
+
+def causal_lm_type(model_type: str) -> None:
+    """Refuse a model_type transformers does not know, or knows as something other than a decoder-only
+    causal LM (an encoder such as BERT, an encoder-decoder such as T5), naming what it knows."""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    known = list(transformers.CONFIG_MAPPING.keys())
+    if model_type not in known:
+        raise ConfigError(
+            "model.source",
+            f"model_type {model_type[:60]!r} is not an architecture transformers {transformers.__version__} knows",
+            nearest(model_type, known),
+        )
+    if model_type not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        raise ConfigError(
+            "model.source",
+            f"model_type {model_type!r} is not a decoder-only causal LM (an encoder or encoder-decoder model)",
+            "trainplan plans and trains decoder-only models such as llama, qwen2, mistral, gemma2 or gpt2",
+        )
