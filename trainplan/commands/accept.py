@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from trainplan.config import load
     from trainplan.run.progress import Progress, duration
     from trainplan.run.record import RunRecord
-    from trainplan.verify import accept, registry, report
+    from trainplan.verify import accept, registry
 
     setup_logging(args)
     perturb = {}
@@ -122,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
     except Exception as e:  # the acceptance ran; a registry that cannot be written is a warning
         warn("accept", f"run not registered ({type(e).__name__}: {e})")
     write_atomic(out / "accept.json", json.dumps(result, indent=1, default=str))
+    from trainplan.verify import report  # matplotlib: loaded once there is a result to draw
+
     write_atomic(out / "accept.md", report.render_markdown(result))
     write_atomic(out / "accept.html", report.render_html(result))
     by_key = {c["key"]: c for c in result["checks"]}

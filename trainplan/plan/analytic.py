@@ -41,7 +41,7 @@ from trainplan.plan.tensors import (
     zero1_partition,
 )
 from trainplan.resolve import Resolved, resolve
-from trainplan.spec.devices import DeviceSpec
+from trainplan.spec.devices import DeviceSpec, MiB
 from trainplan.spec.model import ModelSpec
 from trainplan.spec.parallel import ParallelDims
 
@@ -313,6 +313,10 @@ def _runtime_explain(led: DeviceLedger, cfg: C.RunConfig, reserve_source: str) -
             f"CUDA context {cfg.hardware.cuda_context_mib} MiB + cuBLAS workspace "
             f"{cfg.hardware.cublas_workspace_mib} MiB (hardware.*_mib)"
         )
+        offload = led.runtime_bytes - (cfg.hardware.cuda_context_mib + cfg.hardware.cublas_workspace_mib) * MiB
+        if offload > 0:  # terms.offload_untracked
+            note = T.OFFLOAD_UNTRACKED_NOTE.format(factor=T.OFFLOAD_UNTRACKED, size=gib(offload))
+            led.explain["runtime"] += f"; {note}"
         led.explain["allocator_reserve"] = (
             f"{led.reserve_fraction:.1%} of peak allocated held by the caching allocator beyond the tensors: "
             f"{reserve_source}"

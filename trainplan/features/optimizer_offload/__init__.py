@@ -69,4 +69,10 @@ def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
 
 
 def untraceable(r: Resolved) -> str | None:
+    if on(r.cfg) and r.training and r.dims.shards_params and r.devices[0].is_gpu:
+        return (
+            "parallel.offload_optimizer: the trace runs on one fake device and cannot tell the host's parameter "
+            "shards and optimizer state from the GPU's; use `trainplan plan` (analytic), or `trainplan accept` to "
+            "measure the run"
+        )
     return None
