@@ -143,25 +143,39 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def rows_from_table(path: Path) -> list[tuple[str, float]]:
-    """(preset, (analytic - traced) / traced) of each traced row of a table this script wrote."""
+def rows_from_table(path: Path) -> list[tuple[str, str, float]]:
+    """(preset, mode, (analytic - traced) / traced) of each traced row of a table this script wrote."""
     out = []
     for line in path.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 10 and "%" in cells[9]:
-            out.append((cells[1], float(cells[9].split("%")[0]) / 100))
+            out.append((cells[1], cells[2].split(",")[0], float(cells[9].split("%")[0]) / 100))
     return out
 
 
-def write_bands(rows: list[tuple[str, float]], path: Path, source: str) -> None:
-    """Per architecture (model_type), the worst under-prediction: max(0, -(analytic - traced) / traced)."""
+def rows_from_measured(path: Path) -> list[tuple[str, str, float]]:
+    """(preset, mode, (analytic - measured) / measured) of the QLoRA rows of a bench/gpu_validate.py
+    JSON: the trace cannot run bitsandbytes' 4-bit kernels, so QLoRA's band comes from a GPU. Measured
+    is the storage tracker's peak: every tensor, as the analytic peak counts them (the workspaces
+    outside any tensor are the plan's runtime)."""
+    out = []
+    for row in json.loads(path.read_text())["rows"]:
+        measured = (row.get("measured") or {}).get("tracker_peak_bytes")
+        analytic = ((row.get("plan") or {}).get("analytic") or {}).get("peak_bytes")
+        if row.get("status") == "ok" and row["config"]["mode"] == "qlora" and measured and analytic:
+            out.append((row["config"]["model"], "qlora", (analytic - measured) / measured))
+    return out
+
+
+def write_bands(rows: list[tuple[str, str, float]], path: Path, source: str) -> None:
+    """Per architecture (model_type) and mode, the worst under-prediction: max(0, -(analytic - traced) / traced)."""
     from trainplan.spec.model import load_model_spec
 
-    bands: dict[str, float] = {}
-    for preset, diff in rows:
-        model_type = load_model_spec(preset).model_type
+    bands: dict[str, dict[str, float]] = {}
+    for preset, mode, diff in rows:
+        by_mode = bands.setdefault(load_model_spec(preset).model_type, {})
         # rounded up: a band below the worst under-prediction would leave the verdict short of it
-        bands[model_type] = max(bands.get(model_type, 0.0), math.ceil(max(0.0, -diff) * 1e4 - 1e-9) / 1e4)
+        by_mode[mode] = max(by_mode.get(mode, 0.0), math.ceil(max(0.0, -diff) * 1e4 - 1e-9) / 1e4)
     text = json.dumps({"source": f"{source} ({time.strftime('%Y-%m-%d')})", "bands": bands}, indent=1)
     path.write_text(text + "\n")
     print(f"bands: {bands} -> {path}")
@@ -182,9 +196,17 @@ def main() -> None:
         "--bands", help="write each architecture's worst under-prediction here (trainplan/plan/accuracy.json)"
     )
     ap.add_argument("--from-table", help="take the rows from this Markdown table (a previous --out) instead of tracing")
+    ap.add_argument(
+        "--measured",
+        action="append",
+        default=[],
+        help="a bench/gpu_validate.py JSON whose QLoRA rows give QLoRA's bands (the trace cannot run them)",
+    )
     args = ap.parse_args()
+    measured = [row for path in args.measured for row in rows_from_measured(Path(path))]
+    sources = " + ".join([args.from_table or "bench/trace_accuracy.py", *args.measured])
     if args.from_table:
-        write_bands(rows_from_table(Path(args.from_table)), Path(args.bands), args.from_table)
+        write_bands(rows_from_table(Path(args.from_table)) + measured, Path(args.bands), sources)
         return
     rows = [MATRIX[i] for i in QUICK] if args.quick else MATRIX
     rows = [r for r in rows if not args.family or r[0] in args.family]
@@ -205,7 +227,7 @@ def main() -> None:
     )
     print("\n" + text + "\n\n" + summary)
     if args.bands:
-        write_bands([(r["row"][1], r["diff"]) for r in ok], Path(args.bands), "bench/trace_accuracy.py")
+        write_bands([(r["row"][1], r["row"][2], r["diff"]) for r in ok] + measured, Path(args.bands), sources)
     if args.out:
         header = (
             "# Analytic vs traced peak per device\n\n"

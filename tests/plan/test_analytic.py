@@ -420,12 +420,43 @@ def test_the_verdict_keeps_the_plans_known_error_free_and_says_so():
     cfg = C.load(None, ["model.source=Llama-3.1-8B", "mode=lora", "hardware.gpus=H100-80GB"])
     led = plan(cfg)
     dev = led.devices[0]
-    band, source = accuracy.band("llama", derived=False)
-    assert dev.error_band == band > 0 and "llama rows" in source
+    band, source = accuracy.band("llama", "lora", derived=False)
+    assert dev.error_band == band > 0 and "llama lora rows" in source
     assert dev.headroom_bytes == dev.usable_bytes - dev.total_bytes - dev.error_margin_bytes
     assert "margin" in led.verdict() and f"{band:.2%}" in led.verdict()
     # capacity between the bill and the bill plus its margin: fits only if the margin is ignored
     capacity = int((dev.total_bytes + dev.error_margin_bytes // 2) / (1 - dev.safety_margin)) + 1
     tight = dataclasses.replace(dev, device=dataclasses.replace(dev.device, capacity_bytes=capacity))
     assert tight.usable_bytes >= tight.total_bytes and not tight.fits
-    assert accuracy.band("a-new-type", derived=True)[0] >= accuracy.DERIVED_MIN_BAND
+    assert accuracy.band("a-new-type", "full", derived=True)[0] >= accuracy.DERIVED_MIN_BAND
+
+
+def test_the_accuracy_band_is_kept_per_architecture_and_mode(tmp_path, monkeypatch):
+    """bench/trace_accuracy.py --bands writes each architecture's worst under-prediction per mode; the
+    verdict looks it up by both. A mode without rows takes the widest of the architecture's other modes
+    and of that mode elsewhere; a derived architecture the widest band, at least DERIVED_MIN_BAND."""
+    import json
+
+    from trainplan import config as C
+    from trainplan.plan import accuracy
+
+    bands = {"llama": {"full": 0.0, "lora": 0.002}, "qwen2": {"full": 0.001, "qlora": 0.004}}
+    path = tmp_path / "accuracy.json"
+    path.write_text(json.dumps({"source": "a test table", "bands": bands}))
+    monkeypatch.setattr(accuracy, "BANDS_FILE", path)
+    accuracy._bands.cache_clear()
+    try:
+        assert accuracy.band("llama", "full", derived=False) == (0.0, "")
+        assert accuracy.band("llama", "lora", derived=False)[0] == 0.002
+        # no llama qlora rows: the widest of llama's modes (0.002) and of qlora elsewhere (0.004)
+        value, why = accuracy.band("llama", "qlora", derived=False)
+        assert value == 0.004 and "no llama qlora rows" in why
+        assert accuracy.band("qwen2", "inference", derived=False)[0] == 0.004
+        assert accuracy.band("gemma2", "full", derived=False)[0] == accuracy.DERIVED_MIN_BAND
+        assert accuracy.band("llama", "full", derived=True)[0] == accuracy.DERIVED_MIN_BAND
+        # the verdict takes the mode's band: a Llama LoRA plan keeps 0.2% of its peak, a full one nothing
+        for mode, want in (("lora", 0.002), ("full", 0.0)):
+            cfg = C.load(None, ["model.source=Llama-3.2-1B", f"mode={mode}", "hardware.gpus=H100-80GB"])
+            assert plan(cfg).devices[0].error_band == want
+    finally:
+        accuracy._bands.cache_clear()

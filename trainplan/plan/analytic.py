@@ -263,7 +263,7 @@ def _device_ledger(
     from trainplan.plan import accuracy
 
     device = r.devices[rank]
-    band, band_source = accuracy.band(r.spec.model_type, derived=r.spec.derived)
+    band, band_source = accuracy.band(r.spec.model_type, r.cfg.mode, derived=r.spec.derived)
     reserve, reserve_source = allocator_reserve(r.cfg)
     led = DeviceLedger(
         label=_label(device, rank),
