@@ -460,3 +460,17 @@ def test_the_accuracy_band_is_kept_per_architecture_and_mode(tmp_path, monkeypat
             assert plan(cfg).devices[0].error_band == want
     finally:
         accuracy._bands.cache_clear()
+
+
+def test_qlora_plans_meet_the_published_points_once_the_stacks_bitsandbytes_is_counted(bench_script):
+    """LitGPT's Llama-2 7B / 13B points (bench/qlora_published.py): the 16-bit LoRA rows within 3 % of
+    the plan; the 4-bit rows 16-21 % above it, and within 7 % once bitsandbytes 0.41's kept matmul
+    inputs (and the absmax of the rows without double quantization) are added. Without those terms the
+    4-bit rows miss: the gap is the stack's, not a term the pinned engine holds."""
+    for row in bench_script("qlora_published").rows():
+        published, planned = row["published"], row["plan"]
+        if row["mode"] == "lora":
+            assert row["stack"] == 0 and abs(planned - published) <= 0.03 * published, row
+        else:
+            assert 0.16 * published <= published - planned <= 0.21 * published, row
+            assert abs(planned + row["stack"] - published) <= 0.07 * published, row

@@ -24,6 +24,10 @@ from trainplan.run.converter import Build, dtypes
 from trainplan.spec.model import ModelSpec
 
 TESTED_BITSANDBYTES = "0.50.2"
+# Before 0.43.2 (bitsandbytes #1270, 2024-07), MatMul4Bit kept every 4-bit linear's input for backward
+# though the frozen weight needs none: 1.9 GB more than planned for Llama-2 7B at 1,304 tokens
+# (docs/memory-model.md, "QLoRA against published measurements"). The plan counts no such input.
+FIRST_PLANNED_BITSANDBYTES = (0, 43, 2)
 QUANT_TYPE = "nf4"
 DENSE = ("lm_head",)  # kept in the frozen dtype, as the analytic plan assumes
 
@@ -35,7 +39,19 @@ def _bnb():
         raise TrainplanError(
             f"run.mode: qlora needs bitsandbytes (pip install bitsandbytes=={TESTED_BITSANDBYTES})"
         ) from None
+    check_version(bitsandbytes.__version__)
     return bitsandbytes
+
+
+def check_version(version: str) -> None:
+    """Refuse a bitsandbytes whose 4-bit matmul keeps its input for backward: the run would hold
+    more than the plan says."""
+    release = tuple(int(p) for p in version.split("+")[0].split(".")[:3] if p.isdigit())
+    if release < FIRST_PLANNED_BITSANDBYTES:
+        raise TrainplanError(
+            f"run.mode: qlora with bitsandbytes {version}: before 0.43.2 its 4-bit matmul keeps every linear's input "
+            f"for backward, which the plan does not count; pip install bitsandbytes=={TESTED_BITSANDBYTES}"
+        )
 
 
 def is_4bit(model: nn.Module) -> bool:
