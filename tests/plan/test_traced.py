@@ -346,6 +346,17 @@ ARCH_CASES = {
         ["mode=full", "precision=bf16", "memory.activation_checkpointing=true"],
         ALL,
     ),
+    # eager attention's 4-D masks live until the last checkpointed layer's backward (Gemma-2 builds two)
+    "llama-full-eager-checkpointing": (
+        "tiny-llama",
+        ["mode=full", "precision=fp32", "memory.attention=eager", "memory.activation_checkpointing=true"],
+        ("forward", "backward", "optimizer"),
+    ),
+    "gemma2-full-softcap-checkpointing": (
+        "Gemma-2-9B",
+        ["mode=full", "precision=fp32", "memory.attention=eager", "memory.activation_checkpointing=true"],
+        ("forward", "optimizer"),
+    ),
 }
 
 

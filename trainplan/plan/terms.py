@@ -445,7 +445,13 @@ def activations(ctx: RankContext) -> ActTerm:
             else f"; offloaded: the saved tensors of {moved} are in host memory, one layer's on the device at a time"
         )
     step_inputs = A.step_inputs_bytes(spec, act)
-    inputs = Bytes((f"the step's ids, labels and rotary tables{micro}", in_flight * step_inputs))
+    # eager attention's 4-D mask(s) (b, 1, s, s) in the hidden-state dtype: the checkpoints keep them for
+    # their recompute until the last checkpointed layer's backward
+    masks = spec.attention_masks * ctx.tokens * batch.seq_len * ctx.residual if ck and act.attention == "eager" else 0
+    inputs = Bytes(
+        (f"the step's ids, labels and rotary tables{micro}", in_flight * step_inputs),
+        (f"eager attention's {spec.attention_masks} 4-D mask(s), kept by the checkpoints{micro}", in_flight * masks),
+    )
     bwd = layers_saved + head_part + inputs  # recomputation starts after the loss's backward; see backward_moments
     # lm_head saved a cast, or nothing: the final hidden state is still referenced by the model
     # output during the loss
