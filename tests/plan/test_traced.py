@@ -352,6 +352,24 @@ ARCH_CASES = {
         ["mode=full", "precision=fp32", "memory.attention=eager", "memory.activation_checkpointing=true"],
         ("forward", "backward", "optimizer"),
     ),
+    # LoRA with every layer checkpointed: forward's peak inside the top layer's forward (the vocabulary is
+    # small), its recompute with the input requiring grad (transformers makes the embedding output
+    # require it), the adapters' autocast copies of the recomputed layer only
+    "llama-lora-checkpointing": (
+        "tiny-llama",
+        ["mode=lora", "precision=fp32", "memory.activation_checkpointing=true"],
+        ("forward", "backward", "optimizer"),
+    ),
+    "llama-lora-amp-checkpointing": (
+        "tiny-llama",
+        ["mode=lora", "precision=amp-bf16", "memory.activation_checkpointing=true"],
+        ("forward", "backward", "optimizer"),
+    ),
+    "llama-lora-eager-checkpointing": (
+        "tiny-llama",
+        ["mode=lora", "precision=fp32", "memory.attention=eager", "memory.activation_checkpointing=true"],
+        ("forward", "backward", "optimizer"),
+    ),
     "gemma2-full-softcap-checkpointing": (
         "Gemma-2-9B",
         ["mode=full", "precision=fp32", "memory.attention=eager", "memory.activation_checkpointing=true"],

@@ -66,7 +66,11 @@ def _backward_end(
     return PhaseBill(  # the loss's buffers are gone: a moment of its own, not a delta from the start
         weights=start["weights"],
         weight_copies=end_copies,
-        adapter=adapter.live + adapter.grads,
+        adapter=Bytes(
+            adapter.recomputing if ctx.ckpt.layers else adapter.backward_live,
+            adapter.grads,
+            ("less the first layer's attention adapters', not yet formed", -adapter.first_attention_grads),
+        ),
         gradients=_all_but_first_layer(grads),
         optimizer=start["optimizer"],
         activations=Bytes((FIRST_LAYER_BWD, acts.first_layer_bwd), acts.inputs),
@@ -187,7 +191,7 @@ def _top_layer_mlp_backward(
         gradients += Bytes(("the expert down projection's gradient", expert_grad))
     return end.with_(
         gradients=gradients,
-        adapter=adapter.live + (adapter.grads if ctx.persistent_grads else 0),
+        adapter=adapter.backward_live + (adapter.grads if ctx.persistent_grads else 0),
         weight_copies=copies,
         comm_buffers=comm,
         activations=activations,
@@ -226,5 +230,5 @@ def _final_norm_backward(
     )
     if not ctx.full and not ctx.persistent_grads:
         one = ("one layer's adapter gradients", adapter.grads // len(ctx.layers))
-        norm_bwd = norm_bwd.with_(adapter=adapter.live + Bytes(one))
+        norm_bwd = norm_bwd.with_(adapter=adapter.backward_live + Bytes(one))
     return norm_bwd

@@ -18,6 +18,7 @@ from trainplan.plan.tensors import (
     NF4_BYTES,
     NF4_CONSTANTS_BYTES,
     ZERO2_BUCKET_BYTES,
+    _lora_shapes,
     _numel,
     _shard,
     _sharded_numel,
@@ -115,13 +116,27 @@ class AdapterTerm(NamedTuple):
     weights: Bytes
     grads: Bytes
     states: Bytes
-    copy: Bytes
+    copy: Bytes  # autocast's cached copies in forward, every layer's (its cache lives until forward ends)
     note: str | None
+    kept_copy: Bytes = Bytes()  # those the layers not checkpointed saved for backward
+    first_attention_grads: int = 0  # the first layer's attention adapters' gradients, formed after its MLP's
+    layer_copy: Bytes = Bytes()  # one layer's, made again while a checkpointed layer is recomputed
 
     @property
     def live(self) -> int:
-        """What the adapters hold outside backward's gradients."""
+        """What the adapters hold outside backward's gradients, in forward."""
         return self.weights + self.states + self.copy
+
+    @property
+    def backward_live(self) -> int:
+        """The same once backward starts: autocast's cache is gone, the saved copies stay."""
+        return self.weights + self.states + self.kept_copy
+
+    @property
+    def recomputing(self) -> int:
+        """What they hold while a checkpointed layer is recomputed and runs its backward: the layers
+        above have run theirs (their copies released), the recomputed layer made its own again."""
+        return self.weights + self.states + self.layer_copy
 
 
 def lora_numel(ctx: RankContext, *, largest: bool = False) -> int:
@@ -151,6 +166,11 @@ def adapter(ctx: RankContext) -> AdapterTerm:
             f"LoRA r={ctx.cfg.lora.r} on {', '.join(sorted(ctx.adapters.targets))}: {n_adapter / 1e6:,.2f}M "
             "fp32 params, with their gradients and optimizer states"
         )
+    # autocast caches a cast of each adapter weight until forward leaves autocast; a checkpointed
+    # layer saved none, so only the layers not checkpointed keep theirs into backward
+    n_layers, ck = len(ctx.layers), ctx.ckpt.layers
+    copied = n_adapter * ctx.cb if ctx.prec.autocast else 0
+    one_layer = copied // n_layers if n_layers else 0
     return AdapterTerm(
         weights=Bytes(("the adapters' fp32 weights", -(-n_adapter // ctx.shards.w) * 4)),
         # step in backward: one adapter tensor's gradient at a time, the largest
@@ -160,9 +180,27 @@ def adapter(ctx: RankContext) -> AdapterTerm:
             else ("their gradients", -(-n_adapter // ctx.shards.g) * 4)
         ),
         states=Bytes(("their optimizer states", states)),
-        copy=Bytes(("autocast's copy of them", n_adapter * ctx.cb if ctx.prec.autocast else 0)),
+        copy=Bytes(("autocast's copy of them", copied)),
         note=note,
+        kept_copy=Bytes(
+            (
+                f"autocast's copy of them{f' (the {n_layers - ck} layers not checkpointed)' if ck else ''}",
+                copied - ck * one_layer,
+            )
+        ),
+        layer_copy=Bytes(("autocast's copy of the recomputed layer's", one_layer)),
+        first_attention_grads=0 if in_bwd else _first_attention_adapters(ctx) * 4 // ctx.shards.g,
     )
+
+
+def _first_attention_adapters(ctx: RankContext) -> int:
+    """The elements of the adapters on the stage's first layer's attention linears."""
+    if not ctx.adapters.on or not ctx.layers:
+        return 0
+    attention = frozenset(lin.module for lin in ctx.spec.layer_linears if lin.group == "attn")
+    targets = ctx.adapters.targets & attention
+    shapes = _lora_shapes(ctx.spec, ctx.cfg.lora.r, targets, range(1), ctx.tp)
+    return sum(_numel(s) for s in shapes)
 
 
 def _pow2(nbytes: int) -> int:
@@ -477,6 +515,29 @@ def activations(ctx: RankContext) -> ActTerm:
     )
 
 
+def checkpointed_layer_forward(ctx: RankContext) -> Bytes:
+    """The widest moment inside a checkpointed layer's forward, beyond its kept input. It runs without
+    grad, so nothing is saved and each temporary is freed once used; at the MLP's product (act(gate)
+    * up) these are alive: the residual after attention, the MLP's normed input, the MLP's
+    intermediates, and under eager attention the attention weights the layer's forward still binds
+    (`hidden_states, _ = self.self_attn(...)`). Not modelled: MoE blocks and selective checkpointing
+    (their forward saves)."""
+    spec, act = ctx.spec, ctx.act
+    if not ctx.ckpt.layers or ctx.ckpt.selective or spec.mlp.num_experts:
+        return Bytes()
+    t, h, cb = ctx.tokens, spec.hidden_size, ctx.cb
+    n_inter = 3 if spec.mlp.kind == "gated" else 2  # act(gate), up, their product; or fc, act(fc)
+    weights = 0
+    if act.attention == "eager":  # softmax in fp32, cast back to the query's dtype (fp32 under autocast)
+        heads = spec.num_heads // ctx.tp
+        weights = ctx.batch.micro_batch_size * heads * ctx.batch.seq_len**2 * (4 if ctx.autocast else cb)
+    return Bytes(
+        ("the residual after attention and the MLP's normed input", 2 * t * h * ctx.residual),
+        ("the MLP's intermediates", n_inter * t * ctx.inter * cb),
+        ("eager attention's weights, still bound by the layer's forward", weights),
+    )
+
+
 def moe_backward(ctx: RankContext) -> tuple[int, int, int]:
     """One sparse MoE block's backward at its widest moment: (its saved tensors already released,
     the temporaries held, the expert gradient formed before it). Three moments compete (counted on
@@ -504,12 +565,12 @@ def _first_layer_backward(ctx: RankContext, layer_in: int) -> int:
     # Backward through the first layer: its saved tensors (recomputed under checkpointing) plus the
     # gradients of the MLP's intermediates (d product, d act, d up, d gate), in the compute dtype.
     tokens, inter, cb = ctx.tokens, ctx.inter, ctx.cb
-    saved = _layer_saved_bytes(ctx, input_requires_grad=ctx.full)
+    saved = _layer_saved_bytes(ctx, input_requires_grad=ctx.full or bool(ctx.ckpt.layers))
     if ctx.spec.mlp.num_experts:  # the MoE block's widest moment
         released, temps, formed = moe_backward(ctx)
         mlp_bwd = temps + formed - released
     else:  # by the time the MLP's input gradients are formed, down_proj's backward has released its input
-        mlp_bwd = 4 * tokens * inter * cb - (tokens * inter * cb if ctx.full else 0)
+        mlp_bwd = 3 * tokens * inter * cb
     first_layer_bwd = saved + mlp_bwd + layer_in  # + the residual stream's gradient
     if ctx.ckpt.layers and ctx.residual != 4:  # else the norm's fp32 input is the kept input
         first_layer_bwd += layer_in

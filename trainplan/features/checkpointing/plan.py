@@ -6,7 +6,14 @@ from __future__ import annotations
 from trainplan.plan.context import RankContext
 from trainplan.plan.parts import Bytes
 from trainplan.plan.phase import PhaseBill, StepBill
-from trainplan.plan.terms import ActTerm, AdapterTerm, GradTerm, RankTerms, casts_kept_by_checkpointing
+from trainplan.plan.terms import (
+    ActTerm,
+    AdapterTerm,
+    GradTerm,
+    RankTerms,
+    casts_kept_by_checkpointing,
+    checkpointed_layer_forward,
+)
 
 
 def adjust(ctx: RankContext, bill: StepBill, terms: RankTerms) -> StepBill:
@@ -14,7 +21,25 @@ def adjust(ctx: RankContext, bill: StepBill, terms: RankTerms) -> StepBill:
         return bill
     start, end = bill.moments[0], bill.moments[1]
     recompute = _recompute(ctx, start, end, terms.adapter, terms.grads, terms.acts)
-    return StepBill(phases=bill.phases, moments=(*bill.moments, recompute))
+    phases = bill.phases
+    inside = _inside_top_layer(ctx, phases["forward"], terms.acts)
+    if inside.total > phases["forward"].total:
+        phases = {**phases, "forward": inside}
+    return StepBill(phases=phases, moments=(*bill.moments, recompute))
+
+
+def _inside_top_layer(ctx: RankContext, forward: PhaseBill, acts: ActTerm) -> PhaseBill:
+    """Forward's other candidate peak: inside the top checkpointed layer's forward, with every
+    checkpointed layer's input kept and no layer above run yet (a small vocabulary's loss, or a
+    pipeline stage without the head, leaves it the peak)."""
+    return forward.with_(
+        activations=Bytes(
+            acts.inputs,
+            ("what the checkpointed layers keep, the top one's included", ctx.in_flight * ctx.ckpt.layers * acts.kept),
+            ("inside the top checkpointed layer's forward", checkpointed_layer_forward(ctx)),
+        ),
+        logits_loss=0,
+    )
 
 
 def _recompute(
@@ -37,7 +62,7 @@ def _recompute(
         copies = Bytes(("autocast's copies outside the checkpoints, and the recomputed layer's made again", kept))
     return end.with_(
         gradients=gradients,
-        adapter=adapter.live + (adapter.grads if ctx.persistent_grads else 0),
+        adapter=adapter.recomputing + (adapter.grads if ctx.persistent_grads else 0),
         weight_copies=copies,
         activations=Bytes(
             (
