@@ -370,10 +370,27 @@ ARCH_CASES = {
         ["mode=lora", "precision=fp32", "memory.attention=eager", "memory.activation_checkpointing=true"],
         ("forward", "backward", "optimizer"),
     ),
+    # Gemma-2 with checkpointing: the post-feedforward norm's backward (five fp32 temporaries) is the
+    # first layer's widest moment; the masks of a kind go with the last checkpoint keeping them
     "gemma2-full-softcap-checkpointing": (
         "Gemma-2-9B",
         ["mode=full", "precision=fp32", "memory.attention=eager", "memory.activation_checkpointing=true"],
-        ("forward", "optimizer"),
+        ("forward", "backward", "optimizer"),
+    ),
+    "gemma2-full-amp-checkpointing": (
+        "Gemma-2-9B",
+        ["mode=full", "precision=amp-bf16", "memory.attention=eager", "memory.activation_checkpointing=true"],
+        ("forward", "backward", "optimizer"),
+    ),
+    "gemma2-lora-checkpointing": (
+        "Gemma-2-9B",
+        ["mode=lora", "precision=fp32", "memory.attention=eager", "memory.activation_checkpointing=true"],
+        ("forward", "backward", "optimizer"),
+    ),
+    "gemma2-lora-amp-checkpointing": (
+        "Gemma-2-9B",
+        ["mode=lora", "precision=amp-bf16", "memory.attention=eager", "memory.activation_checkpointing=true"],
+        ("forward", "backward", "optimizer"),
     ),
 }
 

@@ -73,7 +73,7 @@ def _backward_end(
         ),
         gradients=_all_but_first_layer(grads),
         optimizer=start["optimizer"],
-        activations=Bytes((FIRST_LAYER_BWD, acts.first_layer_bwd), acts.inputs),
+        activations=Bytes((FIRST_LAYER_BWD, acts.first_layer_bwd), acts.end_inputs),
         buffers=start["buffers"],
         comm_buffers=comm_end,
     )

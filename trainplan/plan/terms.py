@@ -411,6 +411,8 @@ class ActTerm(NamedTuple):
     step_inputs: int
     note: str
     inputs: Bytes = Bytes()  # every micro-batch in flight's step inputs, named
+    end_inputs: Bytes = Bytes()  # the same at the first layer's backward (one eager mask left)
+    recompute_inputs: Bytes = Bytes()  # at the top checkpointed layer's
     # memory.offload_activations: what the hooks pass to the host per step (the layers not checkpointed;
     # on the CPU they stay, the host being the device), and what that holds in host memory
     offloaded: int = 0
@@ -485,11 +487,14 @@ def activations(ctx: RankContext) -> ActTerm:
     step_inputs = A.step_inputs_bytes(spec, act)
     # eager attention's 4-D mask(s) (b, 1, s, s) in the hidden-state dtype: the checkpoints keep them for
     # their recompute until the last checkpointed layer's backward
-    masks = spec.attention_masks * ctx.tokens * batch.seq_len * ctx.residual if ck and act.attention == "eager" else 0
-    inputs = Bytes(
-        (f"the step's ids, labels and rotary tables{micro}", in_flight * step_inputs),
-        (f"eager attention's {spec.attention_masks} 4-D mask(s), kept by the checkpoints{micro}", in_flight * masks),
-    )
+    # (one per kind of layer; a kind's mask is released with the backward of the last checkpoint keeping it)
+    mask = ctx.tokens * batch.seq_len * ctx.residual if ck and act.attention == "eager" else 0
+    step = (f"the step's ids, labels and rotary tables{micro}", in_flight * step_inputs)
+
+    def with_masks(n: int) -> Bytes:
+        return Bytes(step, (f"eager attention's {n} 4-D mask(s), kept by the checkpoints{micro}", in_flight * n * mask))
+
+    inputs = with_masks(spec.attention_masks)
     bwd = layers_saved + head_part + inputs  # recomputation starts after the loss's backward; see backward_moments
     # lm_head saved a cast, or nothing: the final hidden state is still referenced by the model
     # output during the loss
@@ -501,6 +506,8 @@ def activations(ctx: RankContext) -> ActTerm:
         fwd=fwd,
         bwd=bwd,
         first_layer_bwd=_first_layer_backward(ctx, layer_in),
+        end_inputs=with_masks(1),
+        recompute_inputs=with_masks(min(spec.attention_masks, ck)),
         per_layer=per_layer,
         saved_layers=saved_layers,
         head_saved=head_saved,
@@ -561,17 +568,29 @@ def moe_backward(ctx: RankContext) -> tuple[int, int, int]:
     return max(routing, product, gate_up, key=lambda m: m[1] + m[2] - m[0])
 
 
+POST_MLP_NORM = "post_feedforward_layernorm."
+
+
 def _first_layer_backward(ctx: RankContext, layer_in: int) -> int:
     # Backward through the first layer: its saved tensors (recomputed under checkpointing) plus the
     # gradients of the MLP's intermediates (d product, d act, d up, d gate), in the compute dtype.
     tokens, inter, cb = ctx.tokens, ctx.inter, ctx.cb
-    saved = _layer_saved_bytes(ctx, input_requires_grad=ctx.full or bool(ctx.ckpt.layers))
+    input_requires_grad = ctx.full or bool(ctx.ckpt.layers)
+    saved = _layer_saved_bytes(ctx, input_requires_grad=input_requires_grad)
+    # a norm after the MLP (Gemma-2's post_feedforward_layernorm) runs its backward first: its saved
+    # tensors are gone by the MLP's, and its own backward is a moment of its own
+    post = [t for t in _layer_saved(ctx, input_requires_grad=input_requires_grad) if t.name.startswith(POST_MLP_NORM)]
+    post_saved = sum(t.nbytes for t in post)
     if ctx.spec.mlp.num_experts:  # the MoE block's widest moment
         released, temps, formed = moe_backward(ctx)
         mlp_bwd = temps + formed - released
-    else:  # by the time the MLP's input gradients are formed, down_proj's backward has released its input
+    else:  # d product, d act and d up (d product is freed before silu's backward forms d gate)
         mlp_bwd = 3 * tokens * inter * cb
-    first_layer_bwd = saved + mlp_bwd + layer_in  # + the residual stream's gradient
+    first_layer_bwd = saved - post_saved + mlp_bwd + layer_in  # + the residual stream's gradient
+    if post:  # the post-MLP norm's backward: its input still saved, five fp32 (tokens x hidden) temporaries
+        post_input = sum(t.nbytes for t in post if ".input" in t.name)
+        norm_bwd = saved - (post_saved - post_input) + 5 * tokens * ctx.spec.hidden_size * 4 + layer_in
+        first_layer_bwd = max(first_layer_bwd, norm_bwd)
     if ctx.ckpt.layers and ctx.residual != 4:  # else the norm's fp32 input is the kept input
         first_layer_bwd += layer_in
     return first_layer_bwd

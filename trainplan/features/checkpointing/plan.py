@@ -70,7 +70,7 @@ def _recompute(
                 "residual's gradient",
                 acts.first_layer_bwd,
             ),
-            acts.inputs,
+            acts.recompute_inputs,
             ("what the checkpointed layers below keep", ctx.in_flight * (ctx.ckpt.layers - 1) * acts.kept),
         ),
     )
