@@ -338,6 +338,8 @@ ARCH_CASES = {
     "mixtral-full-amp": ("Mixtral-8x7B", ["mode=full", "precision=amp-bf16"], ALL),
     "mixtral-lora": ("Mixtral-8x7B", ["mode=lora", "precision=bf16"], ALL),
     "mixtral-lora-amp": ("Mixtral-8x7B", ["mode=lora", "precision=amp-bf16"], ALL),
+    # a small vocabulary: the final norm's backward is the backward peak (three fp32 temporaries under autocast)
+    "llama-full-amp": ("tiny-llama", ["mode=full", "precision=amp-bf16"], ("forward", "backward", "optimizer")),
     # a vocabulary large beside the layers (SmolLM2's): the embedding's backward is the backward peak
     "big-vocab-tied": ("tiny-llama", ["mode=full", "precision=amp-bf16"], ("forward", "backward", "optimizer")),
     "big-vocab-untied": ("tiny-llama", ["mode=full", "precision=fp32"], ("forward", "backward", "optimizer")),

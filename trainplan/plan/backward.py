@@ -208,9 +208,10 @@ def _final_norm_backward(
 ) -> PhaseBill:
     # An RMSNorm's backward: the final norm's (under LoRA, the top layer's input norm, after
     # that layer's adapter gradients): every layer's saved tensors, dL/dhidden and the norm's
-    # fp32 (tokens x hidden) temporaries, 2 when the residual stream is fp32 and 4 when it is
-    # upcast or under LoRA (counted on the trace, transformers 5.24's LlamaRMSNorm).
-    temps = 4 if (ctx.residual != 4 or not ctx.full) else 2
+    # fp32 (tokens x hidden) temporaries, 2 when the residual stream is fp32 (3 under autocast, whose
+    # head hands back a gradient cast up from the compute dtype) and 4 when it is upcast or under LoRA
+    # (counted on the trace, transformers 5.24's LlamaRMSNorm).
+    temps = 4 if (ctx.residual != 4 or not ctx.full) else (3 if ctx.autocast else 2)
     gradients = grads.live_fwd if ctx.persistent_grads and ctx.full else Bytes(("the head's gradient", grads.head))
     comm = start["comm_buffers"]
     if ctx.shards.fsdp and ctx.full:
