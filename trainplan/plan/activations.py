@@ -447,3 +447,12 @@ def korthikanti_layer_bytes(*, s: int, b: int, h: int, a: int, t: int = 1, recom
     elif recompute != "selective":
         raise ValueError(f"recompute must be none, selective or full (got {recompute!r})")
     return per
+
+
+def attention_masks(spec: ModelSpec) -> int:
+    """The 4-D masks transformers builds for eager attention: one per kind of layer (Gemma-2 always
+    builds its full and its sliding-window mask; a config's layer_types names the kinds)."""
+    kinds = spec.config.get("layer_types")
+    if isinstance(kinds, list) and kinds:
+        return len(set(map(str, kinds)))
+    return 2 if spec.model_type == "gemma2" else 1

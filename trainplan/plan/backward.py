@@ -7,7 +7,7 @@ from __future__ import annotations
 from trainplan.plan import activations as A
 from trainplan.plan.parts import Bytes
 from trainplan.plan.phase import PhaseBill
-from trainplan.plan.tensors import _tp_numel
+from trainplan.plan.tensors import _lora_shapes, _numel, _tp_numel
 from trainplan.plan.terms import (
     ActTerm,
     AdapterTerm,
@@ -15,6 +15,7 @@ from trainplan.plan.terms import (
     GradTerm,
     RankContext,
     autocast_cast_numel,
+    in_backward,
     moe_backward,
 )
 
@@ -69,7 +70,7 @@ def _backward_end(
         adapter=Bytes(
             adapter.recomputing if ctx.ckpt.layers else adapter.backward_live,
             adapter.grads,
-            ("less the first layer's attention adapters', not yet formed", -adapter.first_attention_grads),
+            ("less the first layer's attention adapters', not yet formed", -_first_attention_grads(ctx)),
         ),
         gradients=_all_but_first_layer(grads),
         optimizer=start["optimizer"],
@@ -233,3 +234,17 @@ def _final_norm_backward(
         one = ("one layer's adapter gradients", adapter.grads // len(ctx.layers))
         norm_bwd = norm_bwd.with_(adapter=adapter.backward_live + Bytes(one))
     return norm_bwd
+
+
+def _first_attention_grads(ctx: RankContext) -> int:
+    """The gradients of the adapters on the stage's first layer's attention linears (none kept
+    when the optimizer steps in backward)."""
+    if not ctx.adapters.on or not ctx.layers or in_backward(ctx):
+        return 0
+    r, targets, tp = ctx.cfg.lora.r, ctx.adapters.targets, ctx.tp
+
+    def numel() -> int:
+        attention = targets & frozenset(lin.module for lin in ctx.spec.layer_linears if lin.group == "attn")
+        return sum(_numel(s) for s in _lora_shapes(ctx.spec, r, attention, range(1), tp))
+
+    return ctx.tensors.memo(("first layer's attention adapters", r, targets, tp), numel) * 4 // ctx.shards.g

@@ -18,7 +18,6 @@ from trainplan.plan.tensors import (
     NF4_BYTES,
     NF4_CONSTANTS_BYTES,
     ZERO2_BUCKET_BYTES,
-    _lora_shapes,
     _numel,
     _shard,
     _sharded_numel,
@@ -119,7 +118,6 @@ class AdapterTerm(NamedTuple):
     copy: Bytes  # autocast's cached copies in forward, every layer's (its cache lives until forward ends)
     note: str | None
     kept_copy: Bytes = Bytes()  # those the layers not checkpointed saved for backward
-    first_attention_grads: int = 0  # the first layer's attention adapters' gradients, formed after its MLP's
     layer_copy: Bytes = Bytes()  # one layer's, made again while a checkpointed layer is recomputed
 
     @property
@@ -189,18 +187,7 @@ def adapter(ctx: RankContext) -> AdapterTerm:
             )
         ),
         layer_copy=Bytes(("autocast's copy of the recomputed layer's", one_layer)),
-        first_attention_grads=0 if in_bwd else _first_attention_adapters(ctx) * 4 // ctx.shards.g,
     )
-
-
-def _first_attention_adapters(ctx: RankContext) -> int:
-    """The elements of the adapters on the stage's first layer's attention linears."""
-    if not ctx.adapters.on or not ctx.layers:
-        return 0
-    attention = frozenset(lin.module for lin in ctx.spec.layer_linears if lin.group == "attn")
-    targets = ctx.adapters.targets & attention
-    shapes = _lora_shapes(ctx.spec, ctx.cfg.lora.r, targets, range(1), ctx.tp)
-    return sum(_numel(s) for s in shapes)
 
 
 def _pow2(nbytes: int) -> int:
@@ -485,16 +472,15 @@ def activations(ctx: RankContext) -> ActTerm:
             else f"; offloaded: the saved tensors of {moved} are in host memory, one layer's on the device at a time"
         )
     step_inputs = A.step_inputs_bytes(spec, act)
-    # eager attention's 4-D mask(s) (b, 1, s, s) in the hidden-state dtype: the checkpoints keep them for
-    # their recompute until the last checkpointed layer's backward
-    # (one per kind of layer; a kind's mask is released with the backward of the last checkpoint keeping it)
+    # eager attention's 4-D masks (b, 1, s, s), one per kind of layer, in the hidden-state dtype: a kind's
+    # is kept for the recompute until the backward of the last checkpoint of that kind
     mask = ctx.tokens * batch.seq_len * ctx.residual if ck and act.attention == "eager" else 0
     step = (f"the step's ids, labels and rotary tables{micro}", in_flight * step_inputs)
 
     def with_masks(n: int) -> Bytes:
         return Bytes(step, (f"eager attention's {n} 4-D mask(s), kept by the checkpoints{micro}", in_flight * n * mask))
 
-    inputs = with_masks(spec.attention_masks)
+    inputs = with_masks(A.attention_masks(spec))
     bwd = layers_saved + head_part + inputs  # recomputation starts after the loss's backward; see backward_moments
     # lm_head saved a cast, or nothing: the final hidden state is still referenced by the model
     # output during the loss
@@ -507,7 +493,7 @@ def activations(ctx: RankContext) -> ActTerm:
         bwd=bwd,
         first_layer_bwd=_first_layer_backward(ctx, layer_in),
         end_inputs=with_masks(1),
-        recompute_inputs=with_masks(min(spec.attention_masks, ck)),
+        recompute_inputs=with_masks(min(A.attention_masks(spec), ck)),
         per_layer=per_layer,
         saved_layers=saved_layers,
         head_saved=head_saved,
@@ -519,29 +505,6 @@ def activations(ctx: RankContext) -> ActTerm:
         offloaded=offloaded,
         host=host,
         layer_on_device=layer_on_device,
-    )
-
-
-def checkpointed_layer_forward(ctx: RankContext) -> Bytes:
-    """The widest moment inside a checkpointed layer's forward, beyond its kept input. It runs without
-    grad, so nothing is saved and each temporary is freed once used; at the MLP's product (act(gate)
-    * up) these are alive: the residual after attention, the MLP's normed input, the MLP's
-    intermediates, and under eager attention the attention weights the layer's forward still binds
-    (`hidden_states, _ = self.self_attn(...)`). Not modelled: MoE blocks and selective checkpointing
-    (their forward saves)."""
-    spec, act = ctx.spec, ctx.act
-    if not ctx.ckpt.layers or ctx.ckpt.selective or spec.mlp.num_experts:
-        return Bytes()
-    t, h, cb = ctx.tokens, spec.hidden_size, ctx.cb
-    n_inter = 3 if spec.mlp.kind == "gated" else 2  # act(gate), up, their product; or fc, act(fc)
-    weights = 0
-    if act.attention == "eager":  # softmax in fp32, cast back to the query's dtype (fp32 under autocast)
-        heads = spec.num_heads // ctx.tp
-        weights = ctx.batch.micro_batch_size * heads * ctx.batch.seq_len**2 * (4 if ctx.autocast else cb)
-    return Bytes(
-        ("the residual after attention and the MLP's normed input", 2 * t * h * ctx.residual),
-        ("the MLP's intermediates", n_inter * t * ctx.inter * cb),
-        ("eager attention's weights, still bound by the layer's forward", weights),
     )
 
 

@@ -106,15 +106,6 @@ class ModelSpec:
 
     # ---- module layout -------------------------------------------------------------
     @property
-    def attention_masks(self) -> int:
-        """The 4-D masks transformers builds for eager attention: one per kind of layer (Gemma-2 always
-        builds its full and its sliding-window mask; a config's layer_types names the kinds)."""
-        kinds = self.config.get("layer_types")
-        if isinstance(kinds, list) and kinds:
-            return len(set(map(str, kinds)))
-        return 2 if self.model_type == "gemma2" else 1
-
-    @property
     def supports_sdpa(self) -> bool:
         """transformers routes Gemma-2 (attention soft-capping) through eager attention only."""
         return self.model_type != "gemma2"

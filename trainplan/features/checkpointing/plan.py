@@ -12,7 +12,6 @@ from trainplan.plan.terms import (
     GradTerm,
     RankTerms,
     casts_kept_by_checkpointing,
-    checkpointed_layer_forward,
 )
 
 
@@ -73,4 +72,27 @@ def _recompute(
             acts.recompute_inputs,
             ("what the checkpointed layers below keep", ctx.in_flight * (ctx.ckpt.layers - 1) * acts.kept),
         ),
+    )
+
+
+def checkpointed_layer_forward(ctx: RankContext) -> Bytes:
+    """The widest moment inside a checkpointed layer's forward, beyond its kept input. It runs without
+    grad, so nothing is saved and each temporary is freed once used; at the MLP's product (act(gate)
+    * up) these are alive: the residual after attention, the MLP's normed input, the MLP's
+    intermediates, and under eager attention the attention weights the layer's forward still binds
+    (`hidden_states, _ = self.self_attn(...)`). Not modelled: MoE blocks and selective checkpointing
+    (their forward saves)."""
+    spec, act = ctx.spec, ctx.act
+    if not ctx.ckpt.layers or ctx.ckpt.selective or spec.mlp.num_experts:
+        return Bytes()
+    t, h, cb = ctx.tokens, spec.hidden_size, ctx.cb
+    n_inter = 3 if spec.mlp.kind == "gated" else 2  # act(gate), up, their product; or fc, act(fc)
+    weights = 0
+    if act.attention == "eager":  # softmax in fp32, cast back to the query's dtype (fp32 under autocast)
+        heads = spec.num_heads // ctx.tp
+        weights = ctx.batch.micro_batch_size * heads * ctx.batch.seq_len**2 * (4 if ctx.autocast else cb)
+    return Bytes(
+        ("the residual after attention and the MLP's normed input", 2 * t * h * ctx.residual),
+        ("the MLP's intermediates", n_inter * t * ctx.inter * cb),
+        ("eager attention's weights, still bound by the layer's forward", weights),
     )
