@@ -25,7 +25,7 @@ from pathlib import Path
 from trainplan.features import lora, sharding
 from trainplan.spec.layout import cache_dir, meta_layout
 
-VERSION = 4  # bump when the traced step or the fit changes
+VERSION = 5  # bump when the traced step or the fit changes
 POINTS = ((1, 64), (2, 64), (1, 128), (2, 128))  # (micro-batch, seq)
 
 

@@ -77,7 +77,14 @@ def traced_step(
     micro_steps = min(batch.grad_accum_steps, 2)  # the second micro-batch sees accumulated grads
     model = build.build_model(r.spec, cfg, prec, dims=dims if mesh is not None else None, mesh=mesh)
     if input_grads:
-        model.enable_input_require_grads()
+        # the embedding's output made to require a gradient as a layer's output does: through an op
+        # that keeps nothing (transformers' enable_input_require_grads makes it a leaf instead, which
+        # autograd's graph holds to the end of backward: a tokens x hidden tensor no layer saves, in
+        # architectures whose first layer does not save its input, OLMo-2's, Granite's, Cohere's)
+        def through_an_op(module, args, output):
+            return output + torch.zeros((), dtype=output.dtype, device=output.device, requires_grad=True)
+
+        model.get_input_embeddings().register_forward_hook(through_an_op)
     with contextlib.nullcontext() if real else P.fake_mode() as fake, P.grouped_mm_any_dtype():
         if real:
             torch.manual_seed(0)
