@@ -15,6 +15,9 @@ Expandable segments (the engine's default, memory.expandable_segments) have no G
 their factors come from the same rows' traces replayed through plan/allocator.py in that mode
 (bench/reserved_replay.py --out), (replayed reserved - the cuBLAS workspaces) / traced peak - 1, and
 the source says so. The next lent GPU measures the mode (bench/gpu_validate.py's pairs).
+
+With --replays it also writes `replay_miss`: per class, the replay's worst under-prediction of a
+measured row's reserved bytes, which `trainplan trace` keeps on top of its own replayed figure.
 """
 
 from __future__ import annotations
@@ -85,6 +88,22 @@ def replay_miss(path: Path) -> float:
     return max(0.0, *(-r["replay_vs_measured"] for r in rows if not any(s in r["name"] for s in HOST_SETTINGS)))
 
 
+def replay_misses(path: Path) -> dict[str, dict]:
+    """Per workload class, the replay's worst under-prediction of a measured row's reserved bytes
+    (default mode, offload rows left out): what `trace`'s replayed figure keeps on top of itself."""
+    classes: dict[str, dict] = {}
+    for row in json.loads(path.read_text())["rows"]:
+        if any(s in row["name"] for s in HOST_SETTINGS):
+            continue
+        worst = classes.setdefault(workload_class(*_class_of(row["name"])), {"fraction": 0.0, "rows": 0, "worst_row": ""})
+        worst["rows"] += 1
+        if -row["replay_vs_measured"] > worst["fraction"]:
+            worst["fraction"], worst["worst_row"] = -row["replay_vs_measured"], row["name"]
+    for c in classes.values():
+        c["fraction"] = math.ceil(c["fraction"] * 1e4) / 1e4  # rounded up: never under the measured worst
+    return dict(sorted(classes.items()))
+
+
 def _class_of(name: str) -> tuple[str, bool]:
     """(mode, checkpointing) from a gpu_validate row name: 'Llama-3.2-1B lora amp-bf16 mb4 s512 AC ...'."""
     words = name.split()
@@ -138,6 +157,14 @@ def main() -> int:
             for c in classes.values():  # the replay's own worst under-prediction of a measured row, on top
                 c["factor"] = math.ceil((c["factor"] + miss) * 1e3) / 1e3
                 c["replay_miss"] = miss
+            misses = replay_misses(args.replays)
+            for name, c in misses.items():
+                print(f"replay miss {name}: {c['fraction']:.2%} over {c['rows']} rows (worst: {c['worst_row'] or '-'})")
+            doc["replay_miss"] = {
+                "source": f"bench/fit_reserve.py over {args.replays.name}: the replay's worst under-prediction "
+                "of a measured row's max_memory_reserved, per class (docs/gpu-validation.md)",
+                "classes": misses,
+            }
             doc["expandable_segments"] = {
                 "source": f"bench/fit_reserve.py over {args.replays.name}: traces replayed through "
                 f"plan/allocator.py with expandable_segments, plus the replay's worst under-prediction of a "

@@ -8,7 +8,7 @@ import pytest
 from trainplan import config as C
 from trainplan import resolve
 from trainplan.errors import TrainplanError
-from trainplan.plan import analytic, traced
+from trainplan.plan import analytic, fragmentation, traced, verdict
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow  # every test traces or runs the real model
@@ -500,5 +500,25 @@ def test_a_gpu_trace_replays_its_allocations_through_the_caching_allocator(tiny_
     ledger = traced.traced_ledger(result, r, analytic.plan(r.cfg, r.spec))
     d = ledger.devices[0]
     assert "replayed" in d.reserve_source and d.replayed_reserved
-    replayed = max(result.reserved["expandable_segments"].values()) - workspace  # the mode train runs
-    assert d.peak_allocated + d.reserve_bytes == pytest.approx(replayed, abs=1)
+    top = max(result.reserved["expandable_segments"].values())  # the mode train runs
+    miss, _ = fragmentation.replay_miss(cfg.mode, False)
+    assert d.peak_allocated + d.reserve_bytes == pytest.approx(top - workspace + top * miss / (1 - miss), abs=1)
+
+
+def test_a_replayed_reserve_keeps_the_replays_measured_miss_for_its_class(tiny_dir):
+    """The replay under-predicted the one measured LoRA + checkpointing row with a long batch by 5.7%
+    (docs/gpu-validation.md, row 13): a traced plan of that class keeps that much of its replayed
+    reserved bytes on top, and its margin says so; a full fine-tune's rows were replayed to 0.01%."""
+    base = [f"model.source={tiny_dir / 'tiny.json'}", "hardware.gpus=H100-80GB", "batch.seq_len=32"]
+    figures = {}
+    for mode in ("lora", "full"):
+        cfg = C.load(None, [*base, f"mode={mode}", "memory.activation_checkpointing=true"])
+        result, r = traced.trace(cfg)
+        d = traced.traced_ledger(result, r, analytic.plan(r.cfg, r.spec)).devices[0]
+        top = max(result.reserved["expandable_segments"].values())
+        figures[mode] = (d.peak_allocated + d.reserve_bytes + (cfg.hardware.cublas_workspace_mib << 20)) / top - 1
+        if mode == "lora":
+            assert "Llama-3.2-3B lora amp-bf16 mb4 s4096 AC" in d.reserve_source, d.reserve_source
+            assert "5.69%" in verdict.margin_text(d)
+    assert figures["lora"] == pytest.approx(0.0569 / (1 - 0.0569), abs=1e-6)
+    assert 0 < figures["full"] < 1e-3

@@ -87,6 +87,15 @@ def test_an_unmeasured_class_gets_the_widest_factor(monkeypatch):
     assert fragmentation.reserve_fraction("qlora", False)[0] == 0.02
 
 
+def test_a_replay_miss_comes_from_its_class_and_an_unmeasured_class_gets_the_widest(monkeypatch):
+    misses = {"lora+ac": (0.057, "row 13"), "full": (0.0001, "row 6")}
+    monkeypatch.setattr(fragmentation, "_misses", lambda: (misses, "test"))
+    assert fragmentation.replay_miss("qlora", True) == (0.057, "the replay's worst lora+ac miss (row 13; test)")
+    assert fragmentation.replay_miss("full", False)[0] == 0.0001
+    fraction, why = fragmentation.replay_miss("inference", False)
+    assert (fraction, why) == (0.057, "no inference rows: the widest class's miss (row 13; test)")
+
+
 def test_plan_prints_tight_with_the_margins_parts_and_strict_exits_1(bill, capsys):
     need, margin = bill
     settings = [a for k, v in BASE.items() for a in ("--set", f"{k}={json.dumps(v)}")]

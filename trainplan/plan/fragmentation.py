@@ -7,6 +7,10 @@ free blocks, split remainders, segment rounding). Written by bench/fit_reserve.p
 - expandable segments: the worst of the same rows' traces replayed through plan/allocator.py in that
   mode (bench/reserved_replay.py), since no GPU has measured the mode yet; the source says so.
 A class without rows gets the widest factor of its mode. `hardware.allocator_reserve` overrides it.
+
+`trainplan trace` replays its own stream instead, and keeps on top of the replayed figure the replay's
+worst under-prediction of a measured row of the class (`replay_miss`): 5.7% for LoRA with checkpointing,
+whose one measured row reserved more than its fake-tensor stream replays to (docs/gpu-validation.md).
 Imports no torch.
 """
 
@@ -47,3 +51,27 @@ def reserve_fraction(mode: str, checkpointing: bool, *, expandable: bool = False
     if factors:
         return max(factors.values()), f"no {cls} rows: the widest class ({source})"
     return FALLBACK, "a flat 5%: no measured factors shipped"
+
+
+@functools.cache
+def _misses() -> tuple[dict[str, tuple[float, str]], str]:
+    try:
+        data = json.loads(FACTORS_FILE.read_text())["replay_miss"]
+        classes = {str(k): (float(v["fraction"]), str(v["worst_row"])) for k, v in data["classes"].items()}
+        return classes, str(data["source"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}, ""
+
+
+def replay_miss(mode: str, checkpointing: bool) -> tuple[float, str]:
+    """(fraction of the replayed reserved bytes, why) that a replayed figure keeps on top of itself: the
+    replay's worst under-prediction of a measured row of the class, or the widest class's without rows."""
+    classes, source = _misses()
+    cls = workload_class(mode, checkpointing)
+    if cls in classes:
+        fraction, row = classes[cls]
+        return fraction, f"the replay's worst {cls} miss ({row or 'none under'}; {source})"
+    if classes:
+        fraction, row = max(classes.values())
+        return fraction, f"no {cls} rows: the widest class's miss ({row}; {source})"
+    return 0.0, "no measured replay misses shipped"

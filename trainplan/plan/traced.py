@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from trainplan import features, resolve
 from trainplan.config import RunConfig
 from trainplan.errors import TrainplanError
-from trainplan.plan import analytic
+from trainplan.plan import analytic, fragmentation
 from trainplan.plan.analytic import ZERO2_BUCKET_BYTES
 from trainplan.plan.ledger import GROUPS, Ledger
 from trainplan.plan.tracestep import traced_step
@@ -191,13 +191,20 @@ def _why(traced, analytic) -> dict[str, str]:
     return out
 
 
-def _replayed_reserve(device, replayed: dict[str, int], workspace: int) -> None:
+def _replayed_reserve(device, replayed: dict[str, int], workspace: int, miss: tuple[float, str]) -> None:
     """The allocator reserve from the replay: its peak reserved over the traced phases, less the cuBLAS
-    workspace (billed under runtime) and the tensors' own peak."""
+    workspace (billed under runtime) and the tensors' own peak, plus the replay's measured miss for the
+    workload class: a row the replay under-predicted by a fraction m of its measured reserved bytes
+    reserved replayed / (1 - m), so that much more is kept."""
     peak = device.peak_allocated
-    reserve = max(0, max(replayed.values()) - workspace - peak)
+    fraction, why = miss
+    top = max(replayed.values())
+    extra = math.ceil(top * fraction / (1 - fraction)) if fraction else 0
+    reserve = max(0, top - workspace - peak) + extra
     device.reserve_fraction = reserve / peak if peak else 0.0
     device.reserve_source = "the traced step replayed through the caching allocator's rules (plan/allocator.py)"
+    if extra:
+        device.reserve_source += f", plus {fraction:.2%} of it: {why}"
     device.replayed_reserved = {ph: v - workspace for ph, v in replayed.items()}
 
 
@@ -205,12 +212,14 @@ def traced_ledger(result: TraceResult, r: resolve.Resolved, analytic_ledger: Led
     """The traced bill as a Ledger (runtime and allocator reserve from the analytic settings)."""
     devices = []
     replayed = result.reserved.get("expandable_segments" if r.cfg.memory.expandable_segments else "default", {})
+    ac = r.cfg.memory.activation_checkpointing
+    miss = fragmentation.replay_miss(r.cfg.mode, ac is not False and ac != 0)
     for proto in analytic_ledger.devices:
         device = dataclasses.replace(  # the traced step is the figure itself: no error band on it
             proto, phases=_whole_run(proto.phases, result.phases), explain={}, details={}, error_band=0.0
         )
         if replayed and proto.device.kind != "cpu":
-            _replayed_reserve(device, replayed, r.cfg.hardware.cublas_workspace_mib << 20)
+            _replayed_reserve(device, replayed, r.cfg.hardware.cublas_workspace_mib << 20, miss)
         device.explain.update(_why(device, proto))
         devices.append(device)
     return Ledger(

@@ -6,7 +6,8 @@ process). On top of that the verdict keeps a margin for what the plan cannot see
 
 - accuracy: the analytic plan's worst measured under-prediction for the architecture (plan/accuracy.py);
 - allocator: what the CUDA caching allocator reserves beyond the tensors (plan/fragmentation.py, or
-  hardware.allocator_reserve).
+  hardware.allocator_reserve; under `trace`, the replay of its own stream plus the replay's measured
+  miss for the workload class).
 
 FITS: the headroom covers the margin. TIGHT: the tensors fit but the headroom is under the margin, so the
 run may run out of memory. DOES NOT FIT: the need alone exceeds the usable memory. Imports no torch.
