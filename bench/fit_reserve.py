@@ -95,7 +95,9 @@ def replay_misses(path: Path) -> dict[str, dict]:
     for row in json.loads(path.read_text())["rows"]:
         if any(s in row["name"] for s in HOST_SETTINGS):
             continue
-        worst = classes.setdefault(workload_class(*_class_of(row["name"])), {"fraction": 0.0, "rows": 0, "worst_row": ""})
+        worst = classes.setdefault(
+            workload_class(*_class_of(row["name"])), {"fraction": 0.0, "rows": 0, "worst_row": ""}
+        )
         worst["rows"] += 1
         if -row["replay_vs_measured"] > worst["fraction"]:
             worst["fraction"], worst["worst_row"] = -row["replay_vs_measured"], row["name"]
