@@ -73,6 +73,20 @@ def unpacked_sequences() -> Iterator[None]:
         masking.find_packed_sequence_indices = original
 
 
+@contextlib.contextmanager
+def packed_sequences() -> Iterator[None]:
+    """Tell transformers' mask code the batch holds packed documents, without reading the position ids'
+    values (fake tensors have none): the document index of each token, from where its position is 0."""
+    import transformers.masking_utils as masking
+
+    original = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: (position_ids == 0).cumsum(-1) - 1
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
 def fake_mode():
     """A FakeTensorMode in which real (meta-built) modules can be materialized as fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode

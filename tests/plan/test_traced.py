@@ -522,3 +522,40 @@ def test_a_replayed_reserve_keeps_the_replays_measured_miss_for_its_class(tiny_d
             assert "5.69%" in verdict.margin_text(d)
     assert figures["lora"] == pytest.approx(0.0569 / (1 - 0.0569), abs=1e-6)
     assert 0 < figures["full"] < 1e-3
+
+
+@pytest.mark.parametrize("extra", [[], ["memory.activation_checkpointing=true"]], ids=["plain", "ac"])
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_packed_documents_masks_are_planned_within_their_band(mode, extra):
+    """data.packing = "document": SDPA gets a block-causal mask, which it saves in every layer in the
+    query's dtype, and K and V are repeated to every head. The plan's peak follows the trace (fake
+    tensors through the engine's step, position ids restarting) to within the band it adds, and sits
+    above the concat plan by at least the layers' saved masks."""
+    base = ["model.source=tiny-llama", "hardware.gpus=cpu", "batch.seq_len=256", "batch.micro_batch_size=2"]
+    peaks = {}
+    for packing in ("concat", "document"):
+        cfg = C.load(None, [*base, "precision=fp32", f"mode={mode}", f"data.packing={packing}", *extra])
+        result, r = traced.trace(cfg)
+        d = analytic.plan(r.cfg, r.spec).devices[0]
+        peaks[packing] = d.peak_allocated
+        if packing == "document":
+            # never under by more than the band; full fine-tuning with checkpointing is over by 4.9%
+            # (its backward's recomputed masks, not yet traced apart): the safe side, stated in the docs
+            assert -analytic.PACKED_BAND <= d.peak_allocated / result.peak_bytes - 1 <= 0.05
+            assert "packed documents" in d.error_band_source
+    layers_masks = 0 if extra else 2 * 2 * 256 * 256 * 4  # 2 layers x (b, 1, s, s) fp32
+    assert peaks["document"] - peaks["concat"] >= layers_masks
+
+
+def test_the_plan_reads_the_packing_from_the_datas_first_row(tmp_path):
+    from trainplan.run import sources
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('{"instruction": "a", "output": "b"}\n')
+    text = tmp_path / "text.jsonl"
+    text.write_text('{"text": "a b"}\n')
+    data = lambda **kw: C.load(None, [f"data.{k}={v}" for k, v in kw.items()]).data  # noqa: E731
+    assert sources.packing(data(source=str(chat))) == ("document", "chat.jsonl's rows are alpaca")
+    assert sources.packing(data(source=str(text)))[0] == "concat"
+    assert sources.packing(data(source="default"))[0] == "concat"
+    assert sources.packing(data(source=str(chat), packing="concat")) == ("concat", "data.packing")

@@ -1,6 +1,7 @@
 """Training data through `datasets`: file kinds, formats and their loss masks, the split (by
 chunk for a single corpus, or a separate eval set), bad rows by file:line, and the token cache."""
 
+import dataclasses
 import json
 
 import pytest
@@ -222,11 +223,102 @@ def test_a_rerun_reads_the_token_cache_instead_of_tokenizing(tmp_path, monkeypat
 
 def test_packing_puts_eos_after_each_document(plain_tok):
     docs = [data.Document(name="a", text="one two"), data.Document(name="b", prompt="Q", completion="A")]
-    ids, labels = data.pack(docs, plain_tok, 1, 49152)
+    ids, labels, positions, _, _ = data.pack(docs, plain_tok, 1, 49152)
+    assert positions is None  # concat: the model's own positions, documents see those before them
     enc = lambda s: plain_tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     eos = plain_tok.eos_token_id
     assert ids.flatten().tolist() == enc("one two") + [eos] + enc("Q") + enc("A") + [eos]
     assert labels.flatten().tolist() == enc("one two") + [eos] + [IGNORE] * len(enc("Q")) + enc("A") + [eos]
+
+
+PACKED = [  # prompt/completion rows of several lengths: data.packing "auto" packs them as documents
+    data.Document(name=f"r{i}", prompt=f"Question {i}: " + "why " * (i % 5), completion=f"Because {i}." + " so" * i)
+    for i in range(9)
+]
+
+
+def _tiny_lm(attention: str):
+    import torch
+    import transformers
+
+    from tests.conftest import TINY
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**TINY, attn_implementation=attention, use_cache=False)  # as train builds it
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _spans(positions) -> list[tuple[int, int, int]]:
+    """(row, start, end) of every document in the packed rows, padding included."""
+    out = []
+    for r, row in enumerate(positions.tolist()):
+        starts = [i for i, p in enumerate(row) if p == 0] + [len(row)]
+        out += [(r, a, b) for a, b in zip(starts, starts[1:], strict=False)]
+    return out
+
+
+def test_document_packing_fills_rows_with_whole_documents(plain_tok):
+    assert data.packing_of(PACKED, "auto") == "document"
+    assert data.packing_of([data.Document(name="t", text="x")], "auto") == "concat"
+    packed = data.pack(PACKED, plain_tok, 48, 49152, packing="document")
+    enc = lambda d: data.tokenize(d, plain_tok)  # noqa: E731
+    eos = plain_tok.eos_token_id
+    spans = _spans(packed.positions)
+    real = [(r, a, b) for r, a, b in spans if packed.labels[r, a + 1 : b].ne(IGNORE).any()]
+    assert len(real) == len(PACKED) and packed.truncated == 0  # each document whole, in order
+    for doc, (r, a, b) in zip(PACKED, real, strict=True):
+        ids, labels = enc(doc)
+        assert packed.ids[r, a:b].tolist() == ids + [eos]
+        assert packed.labels[r, a:b].tolist() == [IGNORE] + labels[1:] + [eos]  # the first predicted from nothing
+    assert packed.filled == sum(b - a for _, a, b in real) < packed.ids.numel()
+    cut = data.pack(PACKED, plain_tok, 8, 49152, packing="document")
+    assert cut.truncated == sum(len(enc(d)[0]) + 1 > 8 for d in PACKED) > 0 and cut.ids.shape[1] == 8
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_packed_documents_logits_ignore_the_other_documents_in_its_row(plain_tok, attention):
+    """Block-causal attention from the position ids: changing one document's tokens changes its own
+    logits and no other's in the row. Under concat packing (no position ids) the same change reaches
+    the documents after it, so the check can fail."""
+    import torch
+
+    model = _tiny_lm(attention)
+    packed = data.pack(PACKED, plain_tok, 64, 49152, packing="document")
+    r, a, b = next(span for span in _spans(packed.positions) if span[1] > 0)  # a document after another
+    row, pos = packed.ids[r : r + 1], packed.positions[r : r + 1]
+    changed = row.clone()
+    changed[0, :a] = (changed[0, :a] + 7) % 49152  # every document before it, other tokens
+    with torch.no_grad():
+        before, after = (model(input_ids=x, position_ids=pos).logits for x in (row, changed))
+        assert torch.equal(before[0, a:b], after[0, a:b]) or torch.allclose(before[0, a:b], after[0, a:b], atol=1e-6)
+        assert not torch.allclose(before[0, :a], after[0, :a], atol=1e-3)
+        plain = [model(input_ids=x).logits for x in (row, changed)]
+    assert not torch.allclose(plain[0][0, a:b], plain[1][0, a:b], atol=1e-3)
+
+
+def test_document_packed_losses_equal_each_document_run_alone(plain_tok):
+    """fp32: the token losses of the packed rows, summed per document, are those of each document
+    given to the model as a row of its own, within 1e-5."""
+    import torch
+    from torch.nn import functional as F
+
+    model = _tiny_lm("sdpa")
+    packed = data.pack(PACKED, plain_tok, 64, 49152, packing="document")
+    with torch.no_grad():
+        logits = model(input_ids=packed.ids, position_ids=packed.positions).logits
+        token_loss = F.cross_entropy(
+            logits[:, :-1].transpose(1, 2), packed.labels[:, 1:], ignore_index=IGNORE, reduction="none"
+        )
+        packed_sums = [float(token_loss[r, a : b - 1].sum()) for r, a, b in _spans(packed.positions)]
+        packed_sums = [x for x in packed_sums if x]  # the padding's spans learn nothing
+        alone = []
+        for doc in PACKED:
+            ids, labels = data.tokenize(doc, plain_tok)
+            x = torch.tensor([ids + [plain_tok.eos_token_id]])
+            y = torch.tensor([labels + [plain_tok.eos_token_id]])
+            out = model(input_ids=x).logits
+            alone.append(float(F.cross_entropy(out[0, :-1], y[0, 1:], ignore_index=IGNORE, reduction="sum")))
+    assert packed_sums == pytest.approx(alone, rel=1e-5)
 
 
 def test_a_dataset_in_the_local_hub_cache_is_read_by_id_offline(tmp_path, monkeypatch):
@@ -267,8 +359,14 @@ def test_training_runs_on_alpaca_with_a_sharegpt_eval_set(tiny_run, tmp_path):
             f"train.output_dir={tmp_path / 'run'}",
         ],
     )
+    # rows of 16 tokens hold the chat template's prompt and nothing of any reply: refused, not trained on NaN
+    with pytest.raises(ConfigError, match=r"^batch\.seq_len: no token of the training split is learned at 16"):
+        execute(dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, seq_len=16)), quiet=True)
+    cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, seq_len=64))  # a whole chat per row
     record = execute(cfg, quiet=True)[0].to_json()
     assert record["data"]["train_documents"] == 24 and record["data"]["eval_documents"] == 8
+    assert record["data"]["packing"] == "document" and record["data"]["truncated_documents"] == 0
+    assert 0 < record["data"]["packing_efficiency"] < 1  # whole documents leave the rows' ends padded
     assert len(record["steps"]) == 3
     assert record["eval_after"]["loss"] < record["eval_before"]["loss"]
 
@@ -310,7 +408,7 @@ def test_a_rerun_on_the_same_data_and_tokenizer_reads_its_packed_splits_without_
     key = f.name[len("packed-") : -len(".safetensors")]
     assert data.cached_pack(str(cache / "datasets"), key, 32, 10**6) is None
     ids = torch.zeros(2, 32, dtype=torch.int64)
-    data.store_pack(str(cache / "datasets"), key, ids, ids.clone())
+    data.store_pack(str(cache / "datasets"), key, data.Packed(ids, ids.clone(), None, 0, ids.numel()))
     assert data.cached_pack(str(cache / "datasets"), key, 32, 10**6) is not None
     assert data.cached_pack(str(cache / "datasets"), key, 16, 10**6) is None  # another seq_len
     assert data.cached_pack(str(cache / "datasets"), key, 32, 0) is None  # ids outside the vocabulary

@@ -186,8 +186,9 @@ def training_steps(args: argparse.Namespace, base: C.RunConfig, spec, global_bat
     cache = data.cache_dir(base.model.cache_dir)
     train_docs, _ = data.load(base.data, cache=cache)
     tokenizer = weights.load_tokenizer(base, spec)
-    ids, _ = data.pack(train_docs, tokenizer, base.batch.seq_len, spec.vocab_size, cache=cache)
-    return data.steps_for_epochs(args.epochs, ids.shape[0], global_batch)
+    packing = data.packing_of(train_docs, base.data.packing)
+    packed = data.pack(train_docs, tokenizer, base.batch.seq_len, spec.vocab_size, packing=packing, cache=cache)
+    return data.steps_for_epochs(args.epochs, packed.ids.shape[0], global_batch)
 
 
 # ---- ranking ---------------------------------------------------------------------------------

@@ -81,6 +81,7 @@ def _together() -> bool:
 INITS = ("auto", "pretrained", "random")
 SCHEDULES = ("constant", "cosine")
 DATA_FORMATS = ("auto", "text", "prompt-completion", "alpaca", "sharegpt", "messages")
+DATA_PACKINGS = ("auto", "document", "concat")
 REPORTERS = ("tensorboard", "mlflow", "wandb", "none")  # train.report_to
 
 
@@ -110,6 +111,10 @@ class DataConfig:
     format: str = "auto"  # auto (from the columns), text, prompt-completion, alpaca, sharegpt, messages
     eval_source: str = ""  # a separate held-out set, same kinds as source; "": hold out eval_fraction of source
     eval_fraction: float = 0.1  # share of source documents held out for evaluation; unused with eval_source
+    # how documents fill the seq_len rows (run/data.py): "document" keeps each one to itself (block-causal
+    # attention, positions restarting; a longer one is cut), "concat" packs them back to back, each seeing
+    # those before it in its row; "auto": document for prompt/completion, Alpaca and chat rows, concat for text
+    packing: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("source", "eval_source"):
@@ -122,6 +127,7 @@ class DataConfig:
         if not self.source.strip():
             raise ConfigError("data.source", "is empty", 'give a file, a directory, a cached dataset id, or "default"')
         _choice("data", "format", self.format, DATA_FORMATS)
+        _choice("data", "packing", self.packing, DATA_PACKINGS)
         _fraction("data", "eval_fraction", self.eval_fraction)
         if _together() and self.eval_fraction == 0 and not self.eval_source:
             raise ConfigError(

@@ -49,6 +49,9 @@ class ActContext:
     # input * noise and saves the noise in the input's dtype.
     cpu: bool = False
     tp: int = 1
+    # data.packing "document": transformers builds a block-causal (b, 1, s, s) bool mask, which SDPA
+    # converts to the query's dtype and saves in every layer (no kernel takes the bool mask as it is)
+    packed: bool = False
 
     @property
     def tokens(self) -> int:
@@ -191,9 +194,11 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
         # On CUDA, flash attention takes 16-bit inputs with head_dim <= 256 and handles grouped
         # K/V itself; otherwise memory-efficient attention runs, which wants K and V repeated to
         # every head (saved so) and pads its logsumexp to a multiple of 32 positions.
-        efficient = not ctx.cpu and (qk_bytes == FP32 or spec.head_dim > 256)
-        kv_saved = q_dim if efficient else kv_dim
-        if efficient and kv_dim != q_dim:
+        # With a mask (packed documents) flash attention cannot run, and transformers repeats K and V
+        # to every head itself (integrations/sdpa_attention.py use_gqa_in_sdpa), on the CPU too.
+        efficient = not ctx.cpu and (qk_bytes == FP32 or spec.head_dim > 256 or ctx.packed)
+        kv_saved = q_dim if efficient or ctx.packed else kv_dim
+        if kv_saved != kv_dim:
             value_saved = SavedTensor(name="sdpa.value (repeated to all heads)", nbytes=t * q_dim * cb)
         lse_positions = -(-ctx.seq // 32) * 32 if efficient else ctx.seq
         out += [
@@ -205,6 +210,7 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
             value_saved,
             SavedTensor(name="sdpa.output", nbytes=t * q_dim * cb),
             SavedTensor(name="sdpa.logsumexp (fp32)", nbytes=ctx.batch * heads * lse_positions * FP32),
+            *packed_mask_saved(ctx),
         ]
     o_name = "c_proj" if spec.model_type == "gpt2" else "o_proj"
     # SDPA returns its output laid out (b, s, heads, d): the transpose + reshape feeding o_proj
@@ -304,8 +310,16 @@ def layer_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bool =
         fit = spec.first_layer_fit if first else spec.layer_fit
         name = "the first decoder layer, its input needing no gradient" if first else "decoder layer"
         name = f"{name} (derived from a trace of 1 and 2 layers)"
-        return [SavedTensor(name=name, nbytes=fit.nbytes(ctx.batch, ctx.seq))]
+        return [SavedTensor(name=name, nbytes=fit.nbytes(ctx.batch, ctx.seq)), *packed_mask_saved(ctx)]
     return attention_saved(spec, ctx, input_requires_grad=input_requires_grad) + mlp_saved(spec, ctx)
+
+
+def packed_mask_saved(ctx: ActContext) -> list[SavedTensor]:
+    """SDPA's copy of the block-causal mask of packed documents, in the compute dtype, saved by each layer."""
+    if not ctx.packed or ctx.attention == "eager":
+        return []
+    nbytes = ctx.batch * ctx.seq * ctx.seq * ctx.compute_bytes
+    return [SavedTensor(name="sdpa.mask (packed documents, as the query's dtype)", nbytes=nbytes, note="s^2 term")]
 
 
 def selective_kept(spec: ModelSpec, ctx: ActContext) -> list[SavedTensor]:
@@ -425,9 +439,11 @@ def fused_loss_bytes(
 
 def step_inputs_bytes(spec: ModelSpec, ctx: ActContext) -> int:
     """Tensors every forward holds besides saved activations: the int64 input ids and labels, and
-    the rotary cos/sin tables (1, s, head_dim) in the hidden-state dtype, saved by every layer."""
-    rotary = 0 if spec.model_type == "gpt2" else 2 * ctx.seq * spec.head_dim * ctx.residual_bytes
-    return 2 * ctx.tokens * 8 + rotary
+    the rotary cos/sin tables (1, s, head_dim) in the hidden-state dtype, saved by every layer.
+    Packed documents add their int64 position ids, and the tables follow them, one per row."""
+    rows = ctx.batch if ctx.packed else 1
+    rotary = 0 if spec.model_type == "gpt2" else 2 * rows * ctx.seq * spec.head_dim * ctx.residual_bytes
+    return (3 if ctx.packed else 2) * ctx.tokens * 8 + rotary
 
 
 def korthikanti_layer_bytes(*, s: int, b: int, h: int, a: int, t: int = 1, recompute: str = "none") -> int:
@@ -447,6 +463,15 @@ def korthikanti_layer_bytes(*, s: int, b: int, h: int, a: int, t: int = 1, recom
     elif recompute != "selective":
         raise ValueError(f"recompute must be none, selective or full (got {recompute!r})")
     return per
+
+
+def kept_mask_bytes(ctx: ActContext, checkpointed: int, residual_bytes: int) -> int:
+    """One 4-D (b, 1, s, s) mask the checkpoints keep for the recompute, to the backward of the last of
+    its kind: eager attention's in the hidden-state dtype; packed documents' block-causal one under SDPA,
+    a bool."""
+    if not checkpointed or not (ctx.attention == "eager" or ctx.packed):
+        return 0
+    return ctx.tokens * ctx.seq * (residual_bytes if ctx.attention == "eager" else 1)
 
 
 def attention_masks(spec: ModelSpec) -> int:

@@ -41,6 +41,7 @@ from trainplan.plan.tensors import (
     zero1_partition,
 )
 from trainplan.resolve import Resolved, resolve
+from trainplan.run import sources
 from trainplan.spec.devices import DeviceSpec, MiB
 from trainplan.spec.model import ModelSpec
 from trainplan.spec.parallel import ParallelDims
@@ -264,6 +265,10 @@ def _device_ledger(
 
     device = r.devices[rank]
     band, band_source = accuracy.band(r.spec.model_type, r.cfg.mode, derived=r.spec.derived)
+    if r.training and sources.packing(r.cfg.data)[0] == "document" and r.attention != "eager":
+        # the block-causal mask's moments are planned to within PACKED_BAND of the trace (tiny Llama, seq
+        # 256 and 1024, full and LoRA, with and without checkpointing: worst -1.32%, LoRA seq 1024)
+        band, band_source = band + PACKED_BAND, f"{band_source}; + {PACKED_BAND:.1%} for packed documents' masks"
     reserve, reserve_source = allocator_reserve(r.cfg)
     led = DeviceLedger(
         label=_label(device, rank),
@@ -288,6 +293,9 @@ def _device_ledger(
     )
     _runtime_explain(led, r.cfg, reserve_source)
     return led
+
+
+PACKED_BAND = 0.015  # the worst plan-vs-trace miss of document packing's mask terms, rounded up
 
 
 def allocator_reserve(cfg: C.RunConfig) -> tuple[float, str]:

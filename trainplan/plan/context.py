@@ -11,6 +11,7 @@ from trainplan import features
 from trainplan.plan import activations as A
 from trainplan.plan.tensors import StageTensors, _tp_numel, stage_tensors, zero1_partition
 from trainplan.resolve import Resolved
+from trainplan.run import sources
 from trainplan.spec.devices import DeviceSpec
 from trainplan.spec.model import ModelSpec, ParamTensor
 from trainplan.spec.parallel import ParallelDims, ResolvedBatch
@@ -259,6 +260,7 @@ def _act_context(
         cpu=cpu,
         dropout_active=r.training,
         tp=r.dims.tp,
+        packed=r.training and sources.packing(r.cfg.data)[0] == "document",
     )
 
 

@@ -409,11 +409,6 @@ class ActTerm(NamedTuple):
     layer_on_device: int = 0
 
 
-def _pinned(saved) -> int:
-    """Page-locked host buffers: CUDA's caching host allocator rounds each up to a power of two."""
-    return sum(_pow2(s.nbytes) for s in saved)
-
-
 def activations(ctx: RankContext) -> ActTerm:
     spec, act, batch, in_flight = ctx.spec, ctx.act, ctx.batch, ctx.in_flight
     n_layers = len(ctx.layers)
@@ -434,9 +429,9 @@ def activations(ctx: RankContext) -> ActTerm:
             host = offloaded
             if ctx.offload_acts == "pinned":
                 n_plain = n_layers - ck - (1 if first_plain else 0)
-                host = n_plain * _pinned(per_layer)
+                host = n_plain * sum(_pow2(t.nbytes) for t in per_layer)  # pinned: rounded to powers of two
                 if first_plain:
-                    host += _pinned(_layer_saved(ctx, input_requires_grad=False))
+                    host += sum(_pow2(t.nbytes) for t in _layer_saved(ctx, input_requires_grad=False))
                 host *= in_flight
     head_saved = A.head_saved(spec, act, lm_head_trainable=ctx.full and not ctx.fused) if ctx.last else []
     micro = f", x {in_flight} micro-batches in flight" if in_flight > 1 else ""
@@ -472,13 +467,12 @@ def activations(ctx: RankContext) -> ActTerm:
             else f"; offloaded: the saved tensors of {moved} are in host memory, one layer's on the device at a time"
         )
     step_inputs = A.step_inputs_bytes(spec, act)
-    # eager attention's 4-D masks (b, 1, s, s), one per kind of layer, in the hidden-state dtype: a kind's
-    # is kept for the recompute until the backward of the last checkpoint of that kind
-    mask = ctx.tokens * batch.seq_len * ctx.residual if ck and act.attention == "eager" else 0
+    mask = A.kept_mask_bytes(act, ck, ctx.residual)
     step = (f"the step's ids, labels and rotary tables{micro}", in_flight * step_inputs)
+    kind = "eager attention's" if act.attention == "eager" else "the packed documents' block-causal"
 
     def with_masks(n: int) -> Bytes:
-        return Bytes(step, (f"eager attention's {n} 4-D mask(s), kept by the checkpoints{micro}", in_flight * n * mask))
+        return Bytes(step, (f"{kind} {n} 4-D mask(s), kept by the checkpoints{micro}", in_flight * n * mask))
 
     inputs = with_masks(A.attention_masks(spec))
     bwd = layers_saved + head_part + inputs  # recomputation starts after the loss's backward; see backward_moments
@@ -487,7 +481,10 @@ def activations(ctx: RankContext) -> ActTerm:
     hidden = (
         ctx.tokens * spec.hidden_size * ctx.residual if ctx.last and (ctx.autocast or not ctx.full or ctx.fused) else 0
     )
-    fwd = bwd + Bytes(("the final hidden state, still referenced by the model output", hidden))
+    sdpa_packed = act.packed and act.attention != "eager"  # its bool mask(s), kept by checkpoints (mask)
+    running = A.attention_masks(spec) * act.tokens * act.seq if sdpa_packed and not mask else 0
+    while_running = (f"the packed documents' block-causal mask(s), while the layers run{micro}", in_flight * running)
+    fwd = bwd + Bytes(("the final hidden state, still referenced by the model output", hidden), while_running)
     return ActTerm(
         fwd=fwd,
         bwd=bwd,

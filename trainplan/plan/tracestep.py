@@ -41,7 +41,8 @@ def two_steps(r: resolve.Resolved, model, optimizer, micro_batches, tokens: int,
 
     settings = step.StepSettings(prec=r.precision, device_type="cpu")
     hooks = step.StepHooks(on_phase=peaks.on_phase)
-    with peaks.tracker, P.unpacked_sequences(), kernels:
+    packed = "position_ids" in micro_batches[0]
+    with peaks.tracker, P.packed_sequences() if packed else P.unpacked_sequences(), kernels:
         for iteration in range(2):
             peaks.measuring = iteration == 1
             if r.cfg.mode == "inference":
@@ -71,7 +72,7 @@ def traced_step(
     import torch
 
     from trainplan import _torch_private as P
-    from trainplan.run import build, measure, step
+    from trainplan.run import build, measure, sources, step
 
     cfg, dims, prec, batch = r.cfg, r.dims, r.precision, r.batch
     micro_steps = min(batch.grad_accum_steps, 2)  # the second micro-batch sees accumulated grads
@@ -94,6 +95,11 @@ def traced_step(
         ids = torch.randint(0, r.spec.vocab_size, (batch.micro_batch_size, batch.seq_len))
         # labels are their own tensor, as in training (prompt tokens masked with -100)
         micro_batches = [{"input_ids": ids, "labels": ids.clone()} for _ in range(micro_steps)]
+        if sources.packing(r.cfg.data)[0] == "document":  # positions restarting per document: the mask is built
+            half = batch.seq_len // 2
+            positions = torch.cat([torch.arange(half), torch.arange(batch.seq_len - half)])
+            for mb in micro_batches:
+                mb["position_ids"] = positions.expand(batch.micro_batch_size, -1).clone()
         optimizer = None
         if cfg.mode != "inference":
             o = cfg.optim

@@ -43,6 +43,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -210,16 +211,45 @@ def tokenized(docs: list[Document], tokenizer, cache: str | None = None):
         )
 
 
+def packing_of(docs: list[Document], setting: str) -> str:
+    """data.packing for these documents: "auto" is "document" for rows with a prompt, a completion or
+    a chat (messages, sharegpt, alpaca, prompt-completion), "concat" for plain text."""
+    if setting != "auto":
+        return setting
+    return "document" if any(d.messages or d.prompt or d.completion for d in docs) else "concat"
+
+
+class Packed(NamedTuple):
+    ids: torch.Tensor  # (n, seq_len)
+    labels: torch.Tensor  # (n, seq_len), IGNORE_INDEX where no loss is taken
+    positions: torch.Tensor | None  # (n, seq_len) restarting at 0 per document; None: concat packing
+    truncated: int  # documents cut to seq_len (document packing; concat cuts none, it splits)
+    filled: int  # the rows' slots that hold a document's token, not padding
+
+    @property
+    def efficiency(self) -> float:
+        """Real tokens / slots: 1.0 under concat packing."""
+        return self.filled / self.ids.numel()
+
+
 def pack(
     docs: list[Document],
     tokenizer,
     seq_len: int,
     vocab_size: int,
     *,
+    packing: str = "concat",
     split: str = "the split",
     cache: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate documents (EOS after each) and cut into (n, seq_len) ids and labels."""
+) -> Packed:
+    """The documents (EOS after each) as (n, seq_len) rows of ids and labels.
+
+    concat: back to back, cut every seq_len tokens; a document attends to those before it in its row.
+    document: whole documents per row, first fit in order, the rest of a row padded; each document's
+    position ids restart at 0, so transformers masks attention block-causally (a token sees only its
+    own document; masking_utils.find_packed_sequence_indices), and the label of each document's
+    first token is ignored (it would be predicted from the previous document). A document longer
+    than seq_len is cut to it and counted. The padding is a document of its own with no labels."""
     import numpy as np
 
     table = tokenized(docs, tokenizer, cache)
@@ -227,11 +257,8 @@ def pack(
     columns = []
     for name in ("input_ids", "labels"):
         tokens = table.data.column(name).combine_chunks()
-        flat = tokens.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
-        if eos is not None:  # after each document: at the running end of its tokens
-            ends = np.cumsum(tokens.value_lengths().to_numpy(zero_copy_only=False))
-            flat = np.insert(flat, ends, eos)
-        columns.append(flat)
+        columns.append(tokens.flatten().to_numpy(zero_copy_only=False).astype(np.int64))
+    lengths = table.data.column("input_ids").combine_chunks().value_lengths().to_numpy(zero_copy_only=False)
     ids, labels = columns
     if ids.size and ids.max() >= vocab_size:
         raise ConfigError(
@@ -239,6 +266,12 @@ def pack(
             f"token id {ids.max()} is outside the model's vocabulary of {vocab_size}",
             "use the tokenizer that belongs to the model",
         )
+    if packing == "document":
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+        return _pack_documents(ids, labels, lengths, seq_len, eos=eos, pad=pad, split=split)
+    if eos is not None:  # after each document: at the running end of its tokens
+        ends = np.cumsum(lengths)
+        ids, labels = np.insert(ids, ends, eos), np.insert(labels, ends, eos)
     n = ids.size // seq_len
     if n == 0:
         raise ConfigError(
@@ -246,10 +279,56 @@ def pack(
             f"{seq_len} is longer than {split} ({ids.size} tokens)",
             "lower batch.seq_len, add data, or change data.eval_fraction",
         )
-    return (
+    return Packed(
         torch.from_numpy(ids[: n * seq_len].copy()).view(n, seq_len),
         torch.from_numpy(labels[: n * seq_len].copy()).view(n, seq_len),
+        None,
+        0,
+        n * seq_len,
     )
+
+
+def _pack_documents(ids, labels, lengths, seq_len: int, *, eos: int | None, pad: int, split: str) -> Packed:
+    import numpy as np
+
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    extra = 0 if eos is None else 1
+    rows: list[list[tuple[int, int]]] = [[]]  # per row: (document, its length in the row)
+    free, truncated, filled = seq_len, 0, 0
+    for i, n in enumerate(lengths.tolist()):
+        if n == 0:
+            continue
+        size = n + extra
+        if size > seq_len:
+            size, truncated = seq_len, truncated + 1
+        if size > free:
+            rows.append([])
+            free = seq_len
+        rows[-1].append((i, size))
+        free -= size
+        filled += size
+    if not rows[-1]:
+        rows.pop()
+    if not rows:
+        raise ConfigError("data.source", f"{split} holds no token", "give documents with text")
+    shape = (len(rows), seq_len)
+    out_ids = np.full(shape, pad, dtype=np.int64)
+    out_labels = np.full(shape, IGNORE_INDEX, dtype=np.int64)
+    out_pos = np.empty(shape, dtype=np.int64)
+    for r, row in enumerate(rows):
+        at = 0
+        for i, size in row:
+            body = min(size, int(lengths[i]))
+            out_ids[r, at : at + body] = ids[starts[i] : starts[i] + body]
+            out_labels[r, at : at + body] = labels[starts[i] : starts[i] + body]
+            if size > body:  # room for its EOS, learned
+                out_ids[r, at + body] = out_labels[r, at + body] = eos
+            out_labels[r, at] = IGNORE_INDEX  # predicted from the document before it
+            out_pos[r, at : at + size] = np.arange(size)
+            at += size
+        out_pos[r, at:] = np.arange(seq_len - at)  # the padding: a document of its own, no labels
+    ids_t, labels_t, pos_t = (torch.from_numpy(a) for a in (out_ids, out_labels, out_pos))
+    return Packed(ids_t, labels_t, pos_t, truncated, filled)
 
 
 # ---- the packed splits, cached: a rerun on the same data and tokenizer loads no tokenizer ----------
@@ -268,17 +347,20 @@ def tokenizer_files_fingerprint(directory: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def pack_key(docs: list[Document], tokenizer_dir: Path, seq_len: int) -> str:
-    """What decides a packed split: its documents, the tokenizer's files, the sequence length and
-    how `tokenize` and `pack` work (TOKENIZE_VERSION)."""
+def pack_key(docs: list[Document], tokenizer_dir: Path, seq_len: int, packing: str = "concat") -> str:
+    """What decides a packed split: its documents, the tokenizer's files, the sequence length, the
+    packing and how `tokenize` and `pack` work (TOKENIZE_VERSION)."""
     text = f"{fingerprint(docs)} {tokenizer_files_fingerprint(tokenizer_dir)} {seq_len} {TOKENIZE_VERSION}"
+    if packing != "concat":  # concat's key is the one earlier runs wrote
+        text += f" {packing}"
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def cached_pack(cache: str, key: str, seq_len: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A packed split saved by `store_pack`, checked before it is trusted (a header that parses, two
-    int64 (n, seq_len) tensors, ids inside the vocabulary); None if absent or not sound (repacked)."""
-    from safetensors.torch import load_file
+def cached_pack(cache: str, key: str, seq_len: int, vocab_size: int) -> Packed | None:
+    """A packed split saved by `store_pack`, checked before it is trusted (a header that parses,
+    int64 (n, seq_len) tensors, ids inside the vocabulary, positions in the row); None if absent or
+    not sound (repacked)."""
+    from safetensors import safe_open
 
     from trainplan.files import safetensors_header
 
@@ -287,20 +369,31 @@ def cached_pack(cache: str, key: str, seq_len: int, vocab_size: int) -> tuple[to
         return None
     try:
         safetensors_header(file)
-        t = load_file(str(file))
+        with safe_open(str(file), "pt") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 -- safe_open has no __iter__
+            meta = f.metadata() or {}
+        truncated = int(meta.get("truncated", "0"))
+        filled = int(meta.get("filled", "-1"))
     except (OSError, ValueError, RuntimeError):
         return None
-    ids, labels = t.get("ids"), t.get("labels")
-    if not all(isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.dim() == 2 for x in (ids, labels)):
+    ids, labels, positions = t.get("ids"), t.get("labels"), t.get("positions")
+    tensors = (ids, labels) if positions is None else (ids, labels, positions)
+    if not all(isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.dim() == 2 for x in tensors):
         return None
-    if ids.shape != labels.shape or ids.shape[1] != seq_len or ids.shape[0] == 0:
+    if any(x.shape != ids.shape for x in tensors) or ids.shape[1] != seq_len or ids.shape[0] == 0:
         return None
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or truncated < 0:
         return None
-    return ids, labels
+    if filled == -1 and positions is None:  # written before the count: concat fills every slot
+        filled = ids.numel()
+    if not 0 < filled <= ids.numel():
+        return None
+    if positions is not None and (int(positions.min()) < 0 or int(positions.max()) >= seq_len):
+        return None
+    return Packed(ids, labels, positions, truncated, filled)
 
 
-def store_pack(cache: str, key: str, ids: torch.Tensor, labels: torch.Tensor) -> None:
+def store_pack(cache: str, key: str, packed: Packed) -> None:
     """Save a packed split for the next run (written whole or not at all)."""
     import os
 
@@ -309,7 +402,10 @@ def store_pack(cache: str, key: str, ids: torch.Tensor, labels: torch.Tensor) ->
     folder = Path(cache)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".packed-{key}.{os.getpid()}.tmp"
-    save_file({"ids": ids.contiguous(), "labels": labels.contiguous()}, str(tmp))
+    tensors = {"ids": packed.ids.contiguous(), "labels": packed.labels.contiguous()}
+    if packed.positions is not None:
+        tensors["positions"] = packed.positions.contiguous()
+    save_file(tensors, str(tmp), metadata={"truncated": str(packed.truncated), "filled": str(packed.filled)})
     os.replace(tmp, folder / f"packed-{key}.safetensors")
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from trainplan.run.data import IGNORE_INDEX
-from trainplan.run.loss import fused_head
+from trainplan.run.loss import fused_head, model_inputs
 from trainplan.run.step import autocast
 from trainplan.spec.precision import Precision
 
@@ -35,6 +35,7 @@ def evaluate(
     ids: torch.Tensor,
     labels: torch.Tensor,
     *,
+    positions: torch.Tensor | None = None,
     micro_batch: int,
     max_batches: int,
     prec: Precision,
@@ -56,13 +57,17 @@ def evaluate(
         for start in range(0, n, micro_batch):
             x = ids[start : start + micro_batch].to(device)
             y = labels[start : start + micro_batch].to(device)
+            batch = {"input_ids": x}
+            if positions is not None:  # document packing: each document attends to itself only
+                batch["position_ids"] = positions[start : start + micro_batch].to(device)
+            inputs = model_inputs(batch)
             if head is not None:  # the chunked head: no (tokens x vocab) logits, as in training
                 with autocast(prec, device.type), head.eval_targets(y):
-                    sums = model(input_ids=x).logits.cpu()
+                    sums = model(**inputs).logits.cpu()
                 loss_sum, correct, count = loss_sum + sums[0], correct + sums[1], count + sums[2]
                 continue
             with autocast(prec, device.type):
-                logits = model(input_ids=x).logits
+                logits = model(**inputs).logits
             target = y[:, 1:]
             mask = target != IGNORE_INDEX
             logits = logits[:, :-1].float()

@@ -170,6 +170,7 @@ class Trainer:
             self.model,
             job.eval.ids,
             job.eval.labels,
+            positions=job.eval.positions,
             micro_batch=job.resolved.batch.micro_batch_size,
             max_batches=job.cfg.train.eval_batches,
             prec=job.resolved.precision,
@@ -183,7 +184,7 @@ class Trainer:
         job, env, rec = self.job, self.env, self.record
         if job.cfg.train.measure_memory:
             n = job.resolved.batch.micro_batch_size
-            mb = {"input_ids": job.eval.ids[:n].to(env.device), "labels": job.eval.labels[:n].to(env.device)}
+            mb = job.eval.batch(slice(0, n), env.device)
             meter = measure.step_meter(features.torch_compile.active(job.resolved))(
                 self.model, None, list(mb.values()), env.device, lora=False
             )
@@ -261,9 +262,7 @@ class Trainer:
         for j in range(job.resolved.batch.grad_accum_steps):
             idx = fixed[j % len(fixed)] if fixed else state.sampler.take(job.resolved.batch.micro_batch_size)
             ids += idx
-            micro.append(
-                {"input_ids": job.train.ids[idx].to(env.device), "labels": job.train.labels[idx].to(env.device)}
-            )
+            micro.append(job.train.batch(idx, env.device))
         local_tokens = sum(step.target_tokens(mb) for mb in micro)
         tokens = int(env.all_reduce_sum(torch.tensor(float(local_tokens)))) if env.world > 1 else local_tokens
         lr = state.scheduler.get_last_lr()[0]

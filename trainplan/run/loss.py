@@ -181,10 +181,19 @@ def fused_head(model: nn.Module) -> FusedLossHead | None:
     return next((m for m in model.modules() if isinstance(m, FusedLossHead)), None)
 
 
+def model_inputs(batch: dict) -> dict:
+    """The batch's ids, and its position ids where each packed document has its own: transformers then
+    masks attention block-causally (masking_utils.find_packed_sequence_indices), which it does only
+    without a KV cache, so none is made."""
+    if "position_ids" not in batch:
+        return {"input_ids": batch["input_ids"]}
+    return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+
+
 def causal_lm_loss(model: nn.Module, batch: dict, num_items=None) -> torch.Tensor:
     """The model's mean token loss over `batch`: through the fused head where installed."""
     head = fused_head(model)
     if head is None:
-        return model(input_ids=batch["input_ids"], labels=batch["labels"], num_items_in_batch=num_items).loss
+        return model(**model_inputs(batch), labels=batch["labels"], num_items_in_batch=num_items).loss
     with head.targets(batch["labels"], num_items):
-        return model(input_ids=batch["input_ids"]).logits
+        return model(**model_inputs(batch)).logits

@@ -179,6 +179,9 @@ def header(job) -> RunRecord:
             "eval_documents": len(job.eval.documents),
             "train_sequences": int(job.train.ids.shape[0]),
             "eval_sequences": int(job.eval.ids.shape[0]),
+            "packing": job.train.packing,
+            "truncated_documents": job.train.truncated + job.eval.truncated,
+            "packing_efficiency": round(job.train.filled / job.train.ids.numel(), 4),
         },
         model=r.spec.summary(),
         batch={

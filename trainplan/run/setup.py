@@ -33,6 +33,20 @@ class Split:
     documents: list
     ids: torch.Tensor  # (sequences, seq_len)
     labels: torch.Tensor  # (sequences, seq_len)
+    positions: torch.Tensor | None = None  # (sequences, seq_len) per document (data.packing "document")
+    truncated: int = 0  # documents cut to seq_len
+    filled: int = 0  # slots holding a document's token, not padding
+
+    @property
+    def packing(self) -> str:
+        return "concat" if self.positions is None else "document"
+
+    def batch(self, rows, device: torch.device) -> dict:
+        """These rows as the model's inputs: ids and labels, and position ids where each document has its own."""
+        out = {"input_ids": self.ids[rows].to(device), "labels": self.labels[rows].to(device)}
+        if self.positions is not None:
+            out["position_ids"] = self.positions[rows].to(device)
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,9 +157,13 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, l
     tokenizer = functools.cache(lambda: weights.load_tokenizer(cfg, r.spec))
     with progress.stage("tokenize") as stage:
         train, held_out, cached = _packed(cfg, r, documents, tokenizer)
+        cut = train.truncated + held_out.truncated
         stage.result = (
             f"{train.ids.shape[0]:,} training and {held_out.ids.shape[0]:,} held-out sequences of "
-            f"{r.batch.seq_len} tokens" + (" (packed by an earlier run: the same data and tokenizer)" if cached else "")
+            f"{r.batch.seq_len} tokens, {train.packing} packing "
+            f"({train.filled / train.ids.numel():.0%} of the slots filled)"
+            + (f", {cut:,} document(s) cut to {r.batch.seq_len} tokens" if cut else "")
+            + (" (packed by an earlier run: the same data and tokenizer)" if cached else "")
         )
     per_step = r.batch.micro_batch_size * env.world
     if train.ids.shape[0] < per_step and not cfg.train.overfit_batches:
@@ -190,17 +208,25 @@ def _packed(cfg: C.RunConfig, r: Resolved, documents: tuple, tokenizer: Callable
     )
     source = weights.tokenizer_dir(cfg)
     splits, hits = [], 0
+    packing = data.packing_of(documents[0], cfg.data.packing)  # one packing for both splits
     for docs, name in zip(documents, ("training", "held-out"), strict=True):
-        key = data.pack_key(docs, source, seq)
+        key = data.pack_key(docs, source, seq, packing)
         packed = data.cached_pack(cache, key, seq, vocab)
-        if packed is None:
+        if packed is None or (packed.positions is None) != (packing == "concat"):
             split = f"the {name} split ({held_out_from})"
-            packed = data.pack(docs, tokenizer(), seq, vocab, split=split, cache=cache)
+            packed = data.pack(docs, tokenizer(), seq, vocab, packing=packing, split=split, cache=cache)
             with contextlib.suppress(OSError):  # a cache that cannot be written only costs the next run
-                data.store_pack(cache, key, *packed)
+                data.store_pack(cache, key, packed)
         else:
             hits += 1
         splits.append(Split(docs, *packed))
+    if not bool((splits[0].labels[:, 1:] != data.IGNORE_INDEX).any()):
+        raise ConfigError(
+            "batch.seq_len",
+            f"no token of the training split is learned at {seq} tokens a row ({packing} packing): every "
+            "response falls outside its row",
+            "raise batch.seq_len, or use shorter prompts",
+        )
     return splits[0], splits[1], hits == 2
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +125,59 @@ def sniff(source: str, field: str) -> None:
             codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
         except UnicodeDecodeError as e:
             raise ConfigError(field, f"{str(p)!r} is not UTF-8 text (byte {e.start})", "give UTF-8 text") from None
+
+
+def packing(data_cfg) -> tuple[str, str]:
+    return _packing(data_cfg.packing, data_cfg.format, data_cfg.source)
+
+
+@functools.cache  # the advisor plans thousands of candidates on one data source
+def _packing(setting: str, fmt: str, source: str) -> tuple[str, str]:
+    """(data.packing as train will resolve it, why), read without loading the data: "auto" is
+    "document" for rows with a prompt, a completion or a chat, "concat" for text (run/data.py
+    packing_of decides on the documents themselves). A source the plan cannot read cheaply (a cached
+    hub dataset) is planned as document packing: the larger bill, its mask included."""
+    if setting != "auto":
+        return setting, "data.packing"
+    if fmt != "auto":
+        return ("concat" if fmt == "text" else "document"), f"data.format = {fmt}"
+    if source == "default":
+        return "concat", "the default data is text"
+    path = Path(source).expanduser()
+    files = _data_files(path) if path.is_dir() else [path] if path.is_file() else []
+    if path.is_file() and path.suffix not in DATA_SUFFIXES or path.is_dir() and not files:
+        return "concat", f"{source} is text"
+    columns = _first_columns(files[0]) if files else None
+    if columns is None:
+        return "document", f"{source} not read by the plan: planned as documents, the larger bill"
+    fmt = next((f for f, needed in FORMAT_COLUMNS if set(needed) <= columns), "text")
+    return ("concat" if fmt == "text" else "document"), f"{files[0].name}'s rows are {fmt}"
+
+
+def _first_columns(path: Path) -> set[str] | None:
+    """The first row's columns of a data file, read cheaply; None where that is not possible."""
+    import json
+
+    try:
+        if path.suffix == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                line = next((ln for ln in f if ln.strip()), "{}")
+            row = json.loads(line)
+        elif path.suffix == ".json" and path.stat().st_size <= 16 << 20:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+            row = rows[0] if isinstance(rows, list) and rows else rows
+        elif path.suffix == ".csv":
+            with open(path, encoding="utf-8", newline="") as f:
+                return set(next(csv.reader(f), []))
+        elif path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return set(pq.read_schema(path).names)
+        else:
+            return None
+    except (OSError, ValueError, UnicodeDecodeError, IndexError, KeyError, ImportError):
+        return None
+    return set(row) if isinstance(row, dict) else None
 
 
 def _utf8(path: Path, field: str) -> str:

@@ -16,7 +16,7 @@ from torch import nn
 from trainplan.features import optim8bit
 from trainplan.run.data import IGNORE_INDEX
 from trainplan.run.dist import to_local
-from trainplan.run.loss import causal_lm_loss
+from trainplan.run.loss import causal_lm_loss, model_inputs
 from trainplan.spec.precision import Precision
 
 
@@ -171,7 +171,7 @@ def eval_forward(
     """Inference: one forward under inference_mode; no graph, no gradients."""
     on_phase("inference")
     with torch.inference_mode(), autocast(prec, device_type):
-        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        loss = model(**model_inputs(batch), labels=batch["labels"]).loss
     on_phase("end")
     return loss
 
