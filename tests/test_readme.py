@@ -32,6 +32,7 @@ def test_from_your_data_to_a_model_you_can_use(tmp_path):
         assert r.returncode == 0, (command, r.stderr[-2000:])
         outputs.append(r.stdout)
     assert "FITS on every device" in outputs[0]
+    assert "From the data: 32 training documents" in outputs[0] and "widest micro-batch: step" in outputs[0]
     assert (tmp_path / "runs/mine/record.json").is_file() and any((tmp_path / "runs/mine/tensorboard").iterdir())
     base, tuned = outputs[2].split("--- fine-tuned", 1)
     assert base.startswith("--- base:") and base.split(":", 1)[1].strip() != tuned.split(":", 1)[1].strip()

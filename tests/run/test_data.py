@@ -223,7 +223,7 @@ def test_a_rerun_reads_the_token_cache_instead_of_tokenizing(tmp_path, monkeypat
 
 def test_packing_puts_eos_after_each_document(plain_tok):
     docs = [data.Document(name="a", text="one two"), data.Document(name="b", prompt="Q", completion="A")]
-    ids, labels, positions, _, _ = data.pack(docs, plain_tok, 1, 49152)
+    ids, labels, positions, *_ = data.pack(docs, plain_tok, 1, 49152)
     assert positions is None  # concat: the model's own positions, documents see those before them
     enc = lambda s: plain_tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     eos = plain_tok.eos_token_id
@@ -412,3 +412,112 @@ def test_a_rerun_on_the_same_data_and_tokenizer_reads_its_packed_splits_without_
     assert data.cached_pack(str(cache / "datasets"), key, 32, 10**6) is not None
     assert data.cached_pack(str(cache / "datasets"), key, 16, 10**6) is None  # another seq_len
     assert data.cached_pack(str(cache / "datasets"), key, 32, 0) is None  # ids outside the vocabulary
+
+
+def test_unpacked_rows_hold_one_document_and_a_batch_is_cut_to_its_longest(plain_tok):
+    """data.packing = "none": a row per document, its length kept; a micro-batch is as wide as its
+    longest row, and each document's token losses are those of the document run alone (the padding
+    comes after it, where causal attention never looks)."""
+    import torch
+    from torch.nn import functional as F
+
+    from trainplan.run.setup import Split
+
+    packed = data.pack(PACKED, plain_tok, 64, 49152, packing="none")
+    enc = [len(data.tokenize(d, plain_tok)[0]) + 1 for d in PACKED]
+    assert packed.packing == "none" and packed.lengths.tolist() == enc and packed.ids.shape == (len(PACKED), 64)
+    assert packed.filled == sum(enc) and packed.truncated == 0 and packed.positions is None
+    split = Split(PACKED, *packed)
+    rows = [0, 4, 8]
+    batch = split.batch(rows, torch.device("cpu"))
+    assert batch["input_ids"].shape == (3, max(enc[i] for i in rows)) and "position_ids" not in batch
+    model = _tiny_lm("sdpa")
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits
+        for k, i in enumerate(rows):
+            n = enc[i]
+            alone = model(input_ids=batch["input_ids"][k : k + 1, :n]).logits
+            y = batch["labels"][k, 1:n]
+            a = F.cross_entropy(logits[k, : n - 1], y, ignore_index=IGNORE, reduction="sum")
+            b = F.cross_entropy(alone[0, :-1], y, ignore_index=IGNORE, reduction="sum")
+            assert float(a) == pytest.approx(float(b), rel=1e-5)
+            assert batch["labels"][k, n:].eq(IGNORE).all()  # the padding learns nothing
+    cut = data.pack(PACKED, plain_tok, 12, 49152, packing="none")
+    assert cut.truncated == sum(n > 12 for n in enc) > 0 and int(cut.lengths.max()) == 12
+
+
+def test_grouping_by_length_orders_each_run_longest_first_and_is_a_state():
+    lengths = [(i * 37) % 101 + 1 for i in range(200)]
+    grouped = data.StatefulSampler(200, seed=3, lengths=lengths, group=40)
+    plain = data.StatefulSampler(200, seed=3)
+    order = grouped.take_global(200)
+    assert sorted(order) == sorted(plain.take_global(200)) == list(range(200))  # every sample once
+    for start in range(0, 200, 40):
+        run = [lengths[i] for i in order[start : start + 40]]
+        assert run == sorted(run, reverse=True)
+    again = data.StatefulSampler(200, seed=3, lengths=lengths, group=40)
+    assert again.take_global(200) == order  # deterministic by seed
+    state = data.StatefulSampler(200, seed=3, lengths=lengths, group=40).state_dict()
+    with pytest.raises(ConfigError, match=r"^data\.group_by_length: the checkpoint's sample order"):
+        data.StatefulSampler(200, seed=3).load_state_dict(state)
+
+
+def test_a_run_without_packing_records_its_shapes_and_learns(tiny_run, tmp_path):
+    from trainplan.commands.train import execute
+
+    _, base = tiny_run
+    source = write(
+        tmp_path / "train.jsonl", [{"prompt": "p " * (i % 7 + 1), "completion": "c " * (i % 5 + 1)} for i in range(40)]
+    )
+    settings = [*base, f"data.source={source}", "data.packing=none", "data.group_by_length=true"]
+    cfg = C.load(None, [*settings, "data.max_length=40", f"train.output_dir={tmp_path / 'run'}"])
+    record = execute(cfg, quiet=True)[0].to_json()
+    assert record["data"]["packing"] == "none" and record["data"]["packing_efficiency"] < 1
+    widths = [shape[1] for step in record["steps"] for shape in step["shapes"]]
+    assert len(widths) == 3 and max(widths) <= 40 and len(set(widths)) >= 1
+    assert record["eval_after"]["loss"] < record["eval_before"]["loss"]
+    with pytest.raises(ConfigError, match=r'^data\.max_length: applies to data\.packing = "none"'):
+        C.load(None, [*base, "data.max_length=40"])
+
+
+def test_the_data_plan_finds_the_widest_micro_batch_and_a_run_measures_it(tiny_run, tmp_path, capsys):
+    """A long tail: most rows are short, two are long. At batch.seq_len the fixed plan fits a budget the
+    data's widest micro-batch does not: `plan --data` says DOES NOT FIT and names the step; the run's
+    measured peak at that step is the data plan's within 5%."""
+    from trainplan import cli
+    from trainplan.commands.train import execute
+    from trainplan.plan import analytic, from_data
+
+    _, base = tiny_run
+    rows = [{"prompt": f"q{i} ", "completion": "a " * 3} for i in range(38)]
+    rows += [{"prompt": "long ", "completion": "word " * 150}] * 2
+    source = write(tmp_path / "tail.jsonl", rows)
+    settings = [
+        *[s for s in base if not s.startswith("data.")],
+        "data.packing=none",
+        "data.max_length=256",
+        "data.eval_fraction=0.1",
+        "train.steps=18",
+    ]
+    cfg = C.load(None, [*settings, f"data.source={source}"])
+    prof = from_data.profile(cfg)
+    widest = prof["widest"]
+    assert widest["shape"][1] > 150 and 1 <= widest["step"] <= 18 and prof["document_tokens"]["max"] > 150
+    fixed, data_plan = analytic.plan(cfg).devices[0], from_data.plan(cfg).devices[0]
+    assert data_plan.peak_allocated > fixed.peak_allocated
+    budget = (fixed.total_bytes + fixed.margin_bytes + data_plan.total_bytes) // 2
+    flags = [a for s in [*settings, f'hardware.memory_budget="{budget}B"'] for a in ("--set", s)]
+    assert cli.main(["plan", *flags, "--set", f"data.source={source}", "--gpus", "cpu", "--json"]) == 0
+    capsys.readouterr()
+    assert cli.main(["plan", *flags, "--data", str(source), "--gpus", "cpu", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"]["fits"] is False and doc["data"]["widest"] == widest
+    assert any(f"step {widest['step']} " in n for n in doc["notes"])
+    run = dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, output_dir=str(tmp_path / "run"), measure_step=widest["step"])
+    )
+    record = execute(run, quiet=True)[0].to_json()
+    assert record["memory"]["step"] == widest["step"]
+    assert record["steps"][widest["step"] - 1]["shapes"][0] == widest["shape"]
+    measured = record["memory"]["per_rank"][0]["peak_bytes"]
+    assert measured == pytest.approx(data_plan.peak_allocated, rel=0.05)

@@ -1,4 +1,4 @@
-"""`trainplan plan`: the analytic per-device ledger. Imports no torch."""
+"""`trainplan plan`: the analytic per-device ledger. Imports no torch (but to tokenize `--data`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ HELP = (
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_config_args(p)
+    p.add_argument(
+        "--data",
+        default=None,
+        help="plan from this training data (data.source): tokenize it (cached), pack it and walk the sampler "
+        "as train will, and plan the run's widest micro-batch",
+    )
     add_output_args(p)
 
 
@@ -23,8 +29,17 @@ def run(args: argparse.Namespace) -> int:
     from trainplan.plan.analytic import plan
     from trainplan.plan.ledger import render_markdown, render_table
 
-    cfg = config_from_args(args)
-    ledger = plan(cfg)
+    if args.data is not None:  # the run's own micro-batches (plan/from_data.py); tokenizing imports torch
+        from trainplan.config import toml_literal
+        from trainplan.plan import from_data
+
+        args.set.insert(0, f"data.source={toml_literal(args.data)}")
+        cfg = config_from_args(args)
+        ledger = from_data.plan(cfg)
+        cfg = from_data.at_widest(cfg, ledger.data)
+    else:
+        cfg = config_from_args(args)
+        ledger = plan(cfg)
     if ledger.state != "FITS":
         from trainplan.advise import nearest
 

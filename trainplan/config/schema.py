@@ -81,7 +81,7 @@ def _together() -> bool:
 INITS = ("auto", "pretrained", "random")
 SCHEDULES = ("constant", "cosine")
 DATA_FORMATS = ("auto", "text", "prompt-completion", "alpaca", "sharegpt", "messages")
-DATA_PACKINGS = ("auto", "document", "concat")
+DATA_PACKINGS = ("auto", "document", "concat", "none")
 REPORTERS = ("tensorboard", "mlflow", "wandb", "none")  # train.report_to
 
 
@@ -113,8 +113,11 @@ class DataConfig:
     eval_fraction: float = 0.1  # share of source documents held out for evaluation; unused with eval_source
     # how documents fill the seq_len rows (run/data.py): "document" keeps each one to itself (block-causal
     # attention, positions restarting; a longer one is cut), "concat" packs them back to back, each seeing
-    # those before it in its row; "auto": document for prompt/completion, Alpaca and chat rows, concat for text
+    # those before it in its row; "none" puts one document a row, padded to the longest of its micro-batch;
+    # "auto": document for prompt/completion, Alpaca and chat rows, concat for text
     packing: str = "auto"
+    max_length: int = 0  # packing "none": a row's longest, longer documents cut (counted); 0: batch.seq_len
+    group_by_length: bool = False  # packing "none": micro-batches of similar lengths (less padding)
 
     def __post_init__(self) -> None:
         for name in ("source", "eval_source"):
@@ -128,6 +131,16 @@ class DataConfig:
             raise ConfigError("data.source", "is empty", 'give a file, a directory, a cached dataset id, or "default"')
         _choice("data", "format", self.format, DATA_FORMATS)
         _choice("data", "packing", self.packing, DATA_PACKINGS)
+        _positive_int("data", "max_length", self.max_length, minimum=0)
+        if not isinstance(self.group_by_length, bool):
+            raise ConfigError(
+                "data.group_by_length", f"must be true or false (got {self.group_by_length!r})", "write true or false"
+            )
+        if _together() and (self.max_length or self.group_by_length) and self.packing != "none":
+            name = "data.max_length" if self.max_length else "data.group_by_length"
+            raise ConfigError(
+                name, f'applies to data.packing = "none" (got {self.packing!r})', 'set data.packing = "none"'
+            )
         _fraction("data", "eval_fraction", self.eval_fraction)
         if _together() and self.eval_fraction == 0 and not self.eval_source:
             raise ConfigError(
@@ -165,6 +178,7 @@ class TrainConfig:
     output_dir: str = ""  # "": a directory of its own per run, runs/<date>-<time>-<id> (run/setup.py)
     stop_after: int = 0  # stop after this many steps without changing the schedule (an interruption)
     measure_memory: bool = True  # measure one real step per phase and device (the run's second step)
+    measure_step: int = 0  # the step measured, 1-based (`plan --data` names the widest); 0: the run's second
     overfit_batches: int = 0  # >0: every step reuses these first micro-batches (the overfit check)
     # The loss without the (tokens x vocab) logits: chunked fused linear cross-entropy (run/loss.py)
     fused_loss: bool = True
@@ -210,6 +224,7 @@ class TrainConfig:
             )
         if not (isinstance(self.compile, bool) or self.compile == "auto"):
             raise ConfigError("train.compile", f"unknown value {self.compile!r}", 'use true, false or "auto"')
+        _positive_int("train", "measure_step", self.measure_step, minimum=0)
         for name in ("measure_memory", "fused_loss"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(

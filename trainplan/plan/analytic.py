@@ -597,4 +597,13 @@ def _notes(r: Resolved) -> list[str]:
         )
     if any(d.kind == "cuda" for d in r.devices) and r.dims.world_size > 1:
         notes.append("NCCL's own buffers and per-peer channels are not in the bill yet.")
+    packing, why = sources.packing(r.cfg.data)
+    if r.training and packing == "none" and r.cfg.data.max_length > b.seq_len:
+        notes.append(
+            f"One document a row ({why}) up to data.max_length {r.cfg.data.max_length}: a micro-batch of rows "
+            f"longer than seq_len {b.seq_len} needs more than this plan; `trainplan plan --data` plans the run's "
+            "widest micro-batch and names its step."
+        )
+    elif r.training and packing == "document":
+        notes.append(f"Documents packed apart ({why}): their block-causal mask is in the bill.")
     return notes

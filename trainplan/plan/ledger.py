@@ -263,6 +263,8 @@ class Ledger:
     runnable: dict = field(default_factory=lambda: {"ok": True, "why": ""})
     # under TIGHT or DOES NOT FIT, the nearest change that fits (advise/nearest.py): {"text", ...}
     next_step: dict | None = None
+    # `plan --data`: the training split as train packs it and the run's widest micro-batch (plan/from_data.py)
+    data: dict | None = None
 
     @property
     def all_ledgers(self) -> list[DeviceLedger]:
@@ -318,6 +320,7 @@ class Ledger:
                 ],
             },
             "notes": self.notes,
+            **({"data": self.data} if self.data is not None else {}),
         }
 
 
@@ -394,6 +397,9 @@ def render_table(ledger: Ledger, *, terminal: bool = False) -> str:
         out += [wrap(ledger.next_step["text"], width=width), ""]
     if not ledger.runnable["ok"]:
         out += [wrap(plan_only_text(ledger), width=width), ""]
+    if ledger.data is not None:
+        first, *rest = data_lines(ledger.data)
+        out += [wrap(first, width=width), *(wrap(line, indent="  ", hang="  ", width=width) for line in rest), ""]
     out += why
     if ledger.notes:
         out += ["", "Notes:"] + [wrap(f"- {n}", indent="  ", hang="  ", width=width) for n in ledger.notes]
@@ -434,3 +440,18 @@ def render_markdown(ledger: Ledger) -> str:
     if ledger.notes:
         out += [""] + [f"> {n}" for n in ledger.notes]
     return "\n".join(out) + "\n"
+
+
+def data_lines(prof: dict) -> list[str]:
+    """What the ledger prints of `plan --data`'s figures (plan/from_data.py)."""
+    t, w = prof["document_tokens"], prof["widest"]
+    lines = [
+        f"From the data: {prof['documents']:,} training documents, tokens per document p50 {t['p50']:,} / "
+        f"p90 {t['p90']:,} / p99 {t['p99']:,} / max {t['max']:,}",
+        f"{prof['packing']} packing: {prof['sequences']:,} rows of {'up to ' if prof['packing'] == 'none' else ''}"
+        f"{prof['row_tokens']:,} tokens, {prof['packing_efficiency']:.0%} of the slots real tokens, "
+        f"{prof['tokens_per_epoch']:,} tokens an epoch, {prof['truncated_documents']:,} document(s) cut",
+        f"widest micro-batch: step {w['step']} of {prof['steps']:,} (micro-batch {w['micro_batch']}, rank "
+        f"{w['rank']}): {w['shape'][0]} x {w['shape'][1]:,} tokens",
+    ]
+    return lines

@@ -52,6 +52,7 @@ from trainplan.run import sources
 from trainplan.run.sources import Document
 
 IGNORE_INDEX = -100
+GROUP_MEGABATCH = 50  # data.group_by_length sorts runs of this many micro-batches (transformers' mega-batches)
 TOKENIZE_VERSION = 1  # bump when `tokenize` changes what it returns: cached token ids go stale
 CHUNK_CHARS = 4000  # a single text corpus is split in chunks of about this many characters
 MIN_CHUNKS = 10  # ... or in at least this many, for a short text (chunks of >= 200 characters)
@@ -213,7 +214,8 @@ def tokenized(docs: list[Document], tokenizer, cache: str | None = None):
 
 def packing_of(docs: list[Document], setting: str) -> str:
     """data.packing for these documents: "auto" is "document" for rows with a prompt, a completion or
-    a chat (messages, sharegpt, alpaca, prompt-completion), "concat" for plain text."""
+    a chat (messages, sharegpt, alpaca, prompt-completion), "concat" for plain text; "none" is one
+    document a row, padded to the longest of its micro-batch."""
     if setting != "auto":
         return setting
     return "document" if any(d.messages or d.prompt or d.completion for d in docs) else "concat"
@@ -222,9 +224,14 @@ def packing_of(docs: list[Document], setting: str) -> str:
 class Packed(NamedTuple):
     ids: torch.Tensor  # (n, seq_len)
     labels: torch.Tensor  # (n, seq_len), IGNORE_INDEX where no loss is taken
-    positions: torch.Tensor | None  # (n, seq_len) restarting at 0 per document; None: concat packing
-    truncated: int  # documents cut to seq_len (document packing; concat cuts none, it splits)
+    positions: torch.Tensor | None  # (n, seq_len) restarting at 0 per document (document packing)
+    truncated: int  # documents cut to seq_len (document and none; concat cuts none, it splits)
     filled: int  # the rows' slots that hold a document's token, not padding
+    lengths: torch.Tensor | None = None  # (n,) each row's real tokens (packing "none": one document a row)
+
+    @property
+    def packing(self) -> str:
+        return "none" if self.lengths is not None else "concat" if self.positions is None else "document"
 
     @property
     def efficiency(self) -> float:
@@ -243,6 +250,9 @@ def pack(
     cache: str | None = None,
 ) -> Packed:
     """The documents (EOS after each) as (n, seq_len) rows of ids and labels.
+
+    none: one document a row, cut to seq_len (counted) and padded after its end, which causal
+    attention never reads; its length is kept, and a micro-batch is cut to its longest row.
 
     concat: back to back, cut every seq_len tokens; a document attends to those before it in its row.
     document: whole documents per row, first fit in order, the rest of a row padded; each document's
@@ -266,9 +276,9 @@ def pack(
             f"token id {ids.max()} is outside the model's vocabulary of {vocab_size}",
             "use the tokenizer that belongs to the model",
         )
-    if packing == "document":
+    if packing in ("document", "none"):
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
-        return _pack_documents(ids, labels, lengths, seq_len, eos=eos, pad=pad, split=split)
+        return _pack_documents(ids, labels, lengths, seq_len, eos=eos, pad=pad, split=split, alone=packing == "none")
     if eos is not None:  # after each document: at the running end of its tokens
         ends = np.cumsum(lengths)
         ids, labels = np.insert(ids, ends, eos), np.insert(labels, ends, eos)
@@ -288,7 +298,9 @@ def pack(
     )
 
 
-def _pack_documents(ids, labels, lengths, seq_len: int, *, eos: int | None, pad: int, split: str) -> Packed:
+def _pack_documents(
+    ids, labels, lengths, seq_len: int, *, eos: int | None, pad: int, split: str, alone: bool = False
+) -> Packed:
     import numpy as np
 
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
@@ -301,7 +313,7 @@ def _pack_documents(ids, labels, lengths, seq_len: int, *, eos: int | None, pad:
         size = n + extra
         if size > seq_len:
             size, truncated = seq_len, truncated + 1
-        if size > free:
+        if size > free or alone and rows[-1]:
             rows.append([])
             free = seq_len
         rows[-1].append((i, size))
@@ -328,6 +340,9 @@ def _pack_documents(ids, labels, lengths, seq_len: int, *, eos: int | None, pad:
             at += size
         out_pos[r, at:] = np.arange(seq_len - at)  # the padding: a document of its own, no labels
     ids_t, labels_t, pos_t = (torch.from_numpy(a) for a in (out_ids, out_labels, out_pos))
+    if alone:  # one document a row: no positions to restart, its length instead
+        row_lengths = torch.tensor([size for row in rows for _, size in row], dtype=torch.int64)
+        return Packed(ids_t, labels_t, None, truncated, filled, row_lengths)
     return Packed(ids_t, labels_t, pos_t, truncated, filled)
 
 
@@ -376,7 +391,7 @@ def cached_pack(cache: str, key: str, seq_len: int, vocab_size: int) -> Packed |
         filled = int(meta.get("filled", "-1"))
     except (OSError, ValueError, RuntimeError):
         return None
-    ids, labels, positions = t.get("ids"), t.get("labels"), t.get("positions")
+    ids, labels, positions, lengths = t.get("ids"), t.get("labels"), t.get("positions"), t.get("lengths")
     tensors = (ids, labels) if positions is None else (ids, labels, positions)
     if not all(isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.dim() == 2 for x in tensors):
         return None
@@ -390,7 +405,16 @@ def cached_pack(cache: str, key: str, seq_len: int, vocab_size: int) -> Packed |
         return None
     if positions is not None and (int(positions.min()) < 0 or int(positions.max()) >= seq_len):
         return None
-    return Packed(ids, labels, positions, truncated, filled)
+    if lengths is not None and not (
+        isinstance(lengths, torch.Tensor)
+        and lengths.dtype == torch.int64
+        and lengths.shape == ids.shape[:1]
+        and int(lengths.min()) > 0
+        and int(lengths.max()) <= seq_len
+        and int(lengths.sum()) == filled
+    ):
+        return None
+    return Packed(ids, labels, positions, truncated, filled, lengths)
 
 
 def store_pack(cache: str, key: str, packed: Packed) -> None:
@@ -403,8 +427,9 @@ def store_pack(cache: str, key: str, packed: Packed) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".packed-{key}.{os.getpid()}.tmp"
     tensors = {"ids": packed.ids.contiguous(), "labels": packed.labels.contiguous()}
-    if packed.positions is not None:
-        tensors["positions"] = packed.positions.contiguous()
+    for name in ("positions", "lengths"):
+        if getattr(packed, name) is not None:
+            tensors[name] = getattr(packed, name).contiguous()
     save_file(tensors, str(tmp), metadata={"truncated": str(packed.truncated), "filled": str(packed.filled)})
     os.replace(tmp, folder / f"packed-{key}.safetensors")
 
@@ -426,8 +451,10 @@ class StatefulSampler:
     the state, and loading a state adds its ids to them instead of replacing them, so a rollback
     that restores an older checkpoint keeps leaving out what was skipped since."""
 
-    def __init__(self, n: int, *, seed: int, rank: int = 0, world: int = 1, exclude=()):
+    def __init__(self, n: int, *, seed: int, rank: int = 0, world: int = 1, exclude=(), lengths=None, group: int = 0):
         self.n, self.seed, self.rank, self.world = n, seed, rank, world
+        self.lengths = None if lengths is None else [int(x) for x in lengths]
+        self.group = group
         self.epoch, self.position = 0, 0  # position: an index into the epoch's global order
         self.skipped: list[int] = []
         self._skipped: set[int] = set()
@@ -443,6 +470,10 @@ class StatefulSampler:
     def _permutation(self) -> list[int]:
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.n, generator=g).tolist()
+        if self.lengths is not None and self.group:  # data.group_by_length, as transformers' LengthGroupedSampler:
+            # each run of `group` shuffled samples sorted longest first, so a micro-batch holds similar lengths
+            chunks = (order[i : i + self.group] for i in range(0, len(order), self.group))
+            order = [i for c in chunks for i in sorted(c, key=lambda i: -self.lengths[i])]
         return order[: len(order) - len(order) % self.world]  # every rank gets the same count
 
     def skip(self, ids) -> list[int]:
@@ -487,6 +518,7 @@ class StatefulSampler:
             "n": self.n,
             "world": self.world,
             "skipped": list(self.skipped),
+            "group": self.group if self.lengths is not None else 0,  # data.group_by_length's runs, 0: off
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -495,6 +527,12 @@ class StatefulSampler:
                 "data",
                 "the checkpoint's data does not match this run's (size or seed differs)",
                 "resume with the same data and seed",
+            )
+        if state.get("group", 0) != (self.group if self.lengths is not None else 0):
+            raise ConfigError(
+                "data.group_by_length",
+                "the checkpoint's sample order was grouped otherwise (group_by_length, micro-batch or ranks differ)",
+                "resume with the checkpoint's data.group_by_length, micro-batch size and rank count",
             )
         self.epoch = state["epoch"]
         # one global position, so another world size continues at the same global index; older

@@ -36,6 +36,7 @@ def evaluate(
     labels: torch.Tensor,
     *,
     positions: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
     micro_batch: int,
     max_batches: int,
     prec: Precision,
@@ -55,8 +56,9 @@ def evaluate(
     head = fused_head(model)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), grad_free:
         for start in range(0, n, micro_batch):
-            x = ids[start : start + micro_batch].to(device)
-            y = labels[start : start + micro_batch].to(device)
+            width = ids.shape[1] if lengths is None else int(lengths[start : start + micro_batch].max())
+            x = ids[start : start + micro_batch, :width].to(device)  # one document a row: to the longest
+            y = labels[start : start + micro_batch, :width].to(device)
             batch = {"input_ids": x}
             if positions is not None:  # document packing: each document attends to itself only
                 batch["position_ids"] = positions[start : start + micro_batch].to(device)

@@ -171,6 +171,7 @@ class Trainer:
             job.eval.ids,
             job.eval.labels,
             positions=job.eval.positions,
+            lengths=job.eval.lengths,
             micro_batch=job.resolved.batch.micro_batch_size,
             max_batches=job.cfg.train.eval_batches,
             prec=job.resolved.precision,
@@ -206,6 +207,8 @@ class Trainer:
         fixed = [state.sampler.take(self.job.resolved.batch.micro_batch_size) for _ in range(cfg.train.overfit_batches)]
         start = state.step
         measure_at = (start + 1 if cfg.train.steps - start >= 2 else start) if cfg.train.measure_memory else -1
+        if cfg.train.measure_memory and cfg.train.measure_step:  # that step (its index here is 0-based)
+            measure_at = cfg.train.measure_step - 1
         guard = StepGuard(state.guard, self.env)
         rec.guard = {"events": state.guard.events, "settings": dataclasses.asdict(cfg.guard)}
         callbacks = self.callbacks(interrupts or Interrupts(), ckpt, guard, start, sampled=not fixed)
@@ -295,6 +298,8 @@ class Trainer:
             "seconds": dt,
             "memory": record.peak_memory(env),
         }
+        if job.train.lengths is not None:  # one document a row: each micro-batch's (rows, tokens) on this rank
+            entry["shapes"] = [list(mb["input_ids"].shape) for mb in micro]
         if not res.applied:
             entry["skipped"] = True
         if self.replays.get(entry["step"]):

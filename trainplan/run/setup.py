@@ -36,14 +36,17 @@ class Split:
     positions: torch.Tensor | None = None  # (sequences, seq_len) per document (data.packing "document")
     truncated: int = 0  # documents cut to seq_len
     filled: int = 0  # slots holding a document's token, not padding
+    lengths: torch.Tensor | None = None  # (sequences,) real tokens a row (packing "none")
 
     @property
     def packing(self) -> str:
-        return "concat" if self.positions is None else "document"
+        return "none" if self.lengths is not None else "concat" if self.positions is None else "document"
 
     def batch(self, rows, device: torch.device) -> dict:
-        """These rows as the model's inputs: ids and labels, and position ids where each document has its own."""
-        out = {"input_ids": self.ids[rows].to(device), "labels": self.labels[rows].to(device)}
+        """These rows as the model's inputs: ids and labels, and position ids where each document has its
+        own; one document a row (packing "none"): cut to the longest of them, the rest is padding."""
+        width = self.ids.shape[1] if self.lengths is None else int(self.lengths[rows].max())
+        out = {"input_ids": self.ids[rows, :width].to(device), "labels": self.labels[rows, :width].to(device)}
         if self.positions is not None:
             out["position_ids"] = self.positions[rows].to(device)
         return out
@@ -160,9 +163,9 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, l
         cut = train.truncated + held_out.truncated
         stage.result = (
             f"{train.ids.shape[0]:,} training and {held_out.ids.shape[0]:,} held-out sequences of "
-            f"{r.batch.seq_len} tokens, {train.packing} packing "
+            f"{'at most ' if train.lengths is not None else ''}{train.ids.shape[1]} tokens, {train.packing} packing "
             f"({train.filled / train.ids.numel():.0%} of the slots filled)"
-            + (f", {cut:,} document(s) cut to {r.batch.seq_len} tokens" if cut else "")
+            + (f", {cut:,} document(s) cut to {train.ids.shape[1]} tokens" if cut else "")
             + (" (packed by an earlier run: the same data and tokenizer)" if cached else "")
         )
     per_step = r.batch.micro_batch_size * env.world
@@ -201,6 +204,9 @@ def _packed(cfg: C.RunConfig, r: Resolved, documents: tuple, tokenizer: Callable
     data.pack, or read back from the packed-split cache (data.cached_pack) that a run on the same
     documents, tokenizer files and sequence length left; only a miss loads the tokenizer."""
     seq, vocab, cache = r.batch.seq_len, r.spec.vocab_size, data.cache_dir(cfg.model.cache_dir)
+    packing = data.packing_of(documents[0], cfg.data.packing)  # one packing for both splits
+    if packing == "none" and cfg.data.max_length:
+        seq = cfg.data.max_length
     held_out_from = (
         f"data.eval_source = {cfg.data.eval_source}"
         if cfg.data.eval_source
@@ -208,11 +214,10 @@ def _packed(cfg: C.RunConfig, r: Resolved, documents: tuple, tokenizer: Callable
     )
     source = weights.tokenizer_dir(cfg)
     splits, hits = [], 0
-    packing = data.packing_of(documents[0], cfg.data.packing)  # one packing for both splits
     for docs, name in zip(documents, ("training", "held-out"), strict=True):
         key = data.pack_key(docs, source, seq, packing)
         packed = data.cached_pack(cache, key, seq, vocab)
-        if packed is None or (packed.positions is None) != (packing == "concat"):
+        if packed is None or packed.packing != packing:
             split = f"the {name} split ({held_out_from})"
             packed = data.pack(docs, tokenizer(), seq, vocab, packing=packing, split=split, cache=cache)
             with contextlib.suppress(OSError):  # a cache that cannot be written only costs the next run
@@ -307,6 +312,13 @@ def train_state(job: Job, model: torch.nn.Module) -> TrainState:
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg.train)),
         scaler=scaler,
-        sampler=data.StatefulSampler(job.train.ids.shape[0], seed=cfg.train.seed, rank=env.rank, world=env.world),
+        sampler=data.StatefulSampler(
+            job.train.ids.shape[0],
+            seed=cfg.train.seed,
+            rank=env.rank,
+            world=env.world,
+            lengths=job.train.lengths if cfg.data.group_by_length else None,
+            group=job.resolved.batch.micro_batch_size * env.world * data.GROUP_MEGABATCH,
+        ),
         guard=guard.Guard(cfg.guard, scaler=scaler is not None),
     )
