@@ -521,3 +521,40 @@ def test_the_data_plan_finds_the_widest_micro_batch_and_a_run_measures_it(tiny_r
     assert record["steps"][widest["step"] - 1]["shapes"][0] == widest["shape"]
     measured = record["memory"]["per_rank"][0]["peak_bytes"]
     assert measured == pytest.approx(data_plan.peak_allocated, rel=0.05)
+
+
+def test_unpacked_batches_peak_as_planned_at_each_steps_shape(tiny_run, tmp_path):
+    """packing = "none" with bucketing on a skewed dataset: every step's micro-batch has its own width,
+    and each of 30 steps' measured peak is the plan at that width within 5% (the first step, which
+    creates the optimizer state, is the 31st run and not compared)."""
+    from trainplan.commands.train import execute
+    from trainplan.plan import analytic
+
+    _, base = tiny_run
+    rows = [{"prompt": f"q{i} " * (1 + i % 4), "completion": "word " * (2 + (i * 7) % 23)} for i in range(64)]
+    rows += [{"prompt": "long ", "completion": "word " * (60 + 10 * i)} for i in range(4)]
+    source = write(tmp_path / "skew.jsonl", rows)
+    settings = [
+        *[s for s in base if not s.startswith(("data.", "train.steps"))],
+        f"data.source={source}",
+        "data.packing=none",
+        "data.group_by_length=true",
+        "data.max_length=128",
+        "batch.seq_len=128",
+        "train.steps=31",
+        "train.eval_batches=1",
+        "train.measure_every_step=true",
+        f"train.output_dir={tmp_path / 'run'}",
+    ]
+    record = execute(C.load(None, settings), quiet=True)[0].to_json()
+    assert 0 < record["data"]["packing_efficiency"] < 1
+    planned: dict[int, int] = {}
+    ratios = []
+    for entry in record["steps"][1:]:
+        (rows_, width), *_ = entry["shapes"]
+        if width not in planned:
+            cfg = C.load(None, [*settings[:-1], f"batch.seq_len={width}", "data.max_length=0"])
+            planned[width] = analytic.plan(cfg).devices[0].peak_allocated
+        ratios.append(entry["measured_peak_bytes"][0] / planned[width])
+    assert len(ratios) == 30 and len(planned) >= 4  # the widths do vary
+    assert all(0.95 <= x <= 1.05 for x in ratios), [f"{x:.3f}" for x in ratios]

@@ -179,6 +179,9 @@ class TrainConfig:
     stop_after: int = 0  # stop after this many steps without changing the schedule (an interruption)
     measure_memory: bool = True  # measure one real step per phase and device (the run's second step)
     measure_step: int = 0  # the step measured, 1-based (`plan --data` names the widest); 0: the run's second
+    # every step's peak measured too (each step's entry: measured_peak_bytes per rank), as with unpacked
+    # batches whose shape changes step by step; the storage tracker slows each step
+    measure_every_step: bool = False
     overfit_batches: int = 0  # >0: every step reuses these first micro-batches (the overfit check)
     # The loss without the (tokens x vocab) logits: chunked fused linear cross-entropy (run/loss.py)
     fused_loss: bool = True
@@ -225,7 +228,7 @@ class TrainConfig:
         if not (isinstance(self.compile, bool) or self.compile == "auto"):
             raise ConfigError("train.compile", f"unknown value {self.compile!r}", 'use true, false or "auto"')
         _positive_int("train", "measure_step", self.measure_step, minimum=0)
-        for name in ("measure_memory", "fused_loss"):
+        for name in ("measure_memory", "fused_loss", "measure_every_step"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
                     f"train.{name}", f"must be true or false (got {getattr(self, name)!r})", "write true or false"

@@ -219,7 +219,9 @@ class Trainer:
             while state.step < cfg.train.steps:
                 if cb.ask(callbacks, "before_step", self, state) == cb.STOP:
                     break
-                entry = self.step(state, guard, fixed, metered=state.step == measure_at, inject=self.inject)
+                kept = state.step == measure_at
+                metered = kept or cfg.train.measure_every_step
+                entry = self.step(state, guard, fixed, metered=metered, keep=kept, inject=self.inject)
                 answer = cb.ask(callbacks, "after_step", self, state, entry)
                 if answer == cb.STOP:
                     break
@@ -257,7 +259,7 @@ class Trainer:
             out.append(cb.CompileTime(self.job.resolved.spec.num_layers))
         return out
 
-    def step(self, state: TrainState, guard: StepGuard, fixed: list, *, metered: bool, inject) -> dict:
+    def step(self, state: TrainState, guard: StepGuard, fixed: list, *, metered: bool, keep: bool, inject) -> dict:
         """One optimizer step over the accumulation window; appends and returns its record entry."""
         env, job = self.env, self.job
         t0 = time.perf_counter()
@@ -282,11 +284,15 @@ class Trainer:
             moved.reset_peak()
         with meter or contextlib.nullcontext():
             res = step.train_step(self.model, state, micro, self.settings, token_count=tokens, hooks=hooks)
+        measured_peaks = None
         if meter is not None:
             measured = meter.result()
             if moved is not None:
                 measured["offloaded_activation_bytes"] = moved.peak_bytes
-            self.record.memory = {"step": state.step + 1, "per_rank": env.gather(measured)}
+            if keep:  # the run's measured step: its whole breakdown
+                self.record.memory = {"step": state.step + 1, "per_rank": env.gather(measured)}
+            if job.cfg.train.measure_every_step:
+                measured_peaks = env.gather(measured["peak_bytes"])
         dt = time.perf_counter() - t0
         entry = {
             "step": state.step + 1,
@@ -298,6 +304,8 @@ class Trainer:
             "seconds": dt,
             "memory": record.peak_memory(env),
         }
+        if measured_peaks is not None:
+            entry["measured_peak_bytes"] = measured_peaks
         if job.train.lengths is not None:  # one document a row: each micro-batch's (rows, tokens) on this rank
             entry["shapes"] = [list(mb["input_ids"].shape) for mb in micro]
         if not res.applied:

@@ -128,7 +128,8 @@ def prepare(
         refuse_foreign(cfg)
         weights.is_pretrained(cfg)  # an architecture without weights is the user's to fix before any resource check
         with progress.stage("preflight") as stage:  # every rank, before any builds its model
-            stage.result = preflight.check(env, checkpoint_root(cfg) if r.training else None, bill and bill(cfg))
+            widest = _widest_possible(cfg, data.packing_of(documents[0], cfg.data.packing))
+            stage.result = preflight.check(env, checkpoint_root(cfg) if r.training else None, bill and bill(widest))
         return _build(cfg, env, r, documents, locks, progress)
     except BaseException:
         for lock in locks:
@@ -197,6 +198,14 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, l
         load_peak_bytes=meter.peak_bytes if meter else None,
         locks=locks,
     )
+
+
+def _widest_possible(cfg: C.RunConfig, packing: str) -> C.RunConfig:
+    """The config the preflight checks: one document a row (packing "none") may fill a micro-batch with
+    rows of data.max_length, beyond batch.seq_len; `plan --data` finds the run's actual widest."""
+    if packing != "none" or cfg.data.max_length <= cfg.batch.seq_len:
+        return cfg
+    return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, seq_len=cfg.data.max_length))
 
 
 def _packed(cfg: C.RunConfig, r: Resolved, documents: tuple, tokenizer: Callable[[], object]) -> tuple:
