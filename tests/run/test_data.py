@@ -558,3 +558,29 @@ def test_unpacked_batches_peak_as_planned_at_each_steps_shape(tiny_run, tmp_path
         ratios.append(entry["measured_peak_bytes"][0] / planned[width])
     assert len(ratios) == 30 and len(planned) >= 4  # the widths do vary
     assert all(0.95 <= x <= 1.05 for x in ratios), [f"{x:.3f}" for x in ratios]
+
+
+def test_the_largest_batch_probe_runs_after_step_one_and_changes_nothing(tiny_run, tmp_path):
+    """train.largest_batch_first: the longest rows' forward and backward, measured after step 1, and the
+    run ends with the weights, bitwise, of the same run without it."""
+    from trainplan.commands.train import execute
+
+    _, base = tiny_run
+    rows = [{"prompt": f"q{i} ", "completion": "word " * (2 + i % 9)} for i in range(30)]
+    rows += [{"prompt": "long ", "completion": "word " * 90}]
+    source = write(tmp_path / "probe.jsonl", rows)
+    settings = [*[s for s in base if not s.startswith("data.")], f"data.source={source}", "data.packing=none"]
+    settings += ["batch.seq_len=128", "train.measure_every_step=true", "data.eval_fraction=0.1"]
+    runs = {}
+    for probe in (False, True):
+        cfg = C.load(
+            None,
+            [*settings, f"train.largest_batch_first={str(probe).lower()}", f"train.output_dir={tmp_path / str(probe)}"],
+        )
+        runs[probe] = execute(cfg, quiet=True)[0].to_json()
+    probed, plain = runs[True], runs[False]
+    assert "largest_batch_probe" not in plain and probed["final"] == plain["final"]
+    probe = probed["largest_batch_probe"]
+    assert probe["after_step"] == 1 and probe["shape"][1] > 90  # the long row is in it
+    assert probe["shape"][1] >= max(shape[1] for s in probed["steps"] for shape in s["shapes"])
+    assert probe["per_rank"][0] >= max(s["measured_peak_bytes"][0] for s in probed["steps"])

@@ -182,6 +182,10 @@ class TrainConfig:
     # every step's peak measured too (each step's entry: measured_peak_bytes per rank), as with unpacked
     # batches whose shape changes step by step; the storage tracker slows each step
     measure_every_step: bool = False
+    # a memory probe: after step 1, one forward and backward of the widest micro-batch the data can give
+    # (packing "none": its longest rows), its gradients dropped and nothing updated, so a run that cannot
+    # hold it fails in its first minute, not hours in; the record says when it ran and what it measured
+    largest_batch_first: bool = False
     overfit_batches: int = 0  # >0: every step reuses these first micro-batches (the overfit check)
     # The loss without the (tokens x vocab) logits: chunked fused linear cross-entropy (run/loss.py)
     fused_loss: bool = True
@@ -228,7 +232,7 @@ class TrainConfig:
         if not (isinstance(self.compile, bool) or self.compile == "auto"):
             raise ConfigError("train.compile", f"unknown value {self.compile!r}", 'use true, false or "auto"')
         _positive_int("train", "measure_step", self.measure_step, minimum=0)
-        for name in ("measure_memory", "fused_loss", "measure_every_step"):
+        for name in ("measure_memory", "fused_loss", "measure_every_step", "largest_batch_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
                     f"train.{name}", f"must be true or false (got {getattr(self, name)!r})", "write true or false"

@@ -138,3 +138,15 @@ def ask(callbacks: list, hook: str, *args) -> str | None:
         if answer:
             return answer
     return None
+
+
+class LargestBatchProbe:
+    """train.largest_batch_first: after the run's first step, once the optimizer state exists, the widest
+    micro-batch's forward and backward (run/loop.py Trainer.probe_largest_batch)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+
+    def after_step(self, trainer: Trainer, state: TrainState, entry: dict) -> None:
+        if state.step == self.start + 1 and trainer.record.largest_batch_probe is None:
+            trainer.probe_largest_batch(state)

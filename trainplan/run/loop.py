@@ -253,11 +253,36 @@ class Trainer:
             cb.Checkpoints(ckpt),
             cb.Reporting(),
         ]
+        if cfg.train.largest_batch_first and start == 0:
+            out.append(cb.LargestBatchProbe(start))
         if cfg.train.stop_after:
             out.append(cb.StopAfter(cfg.train.stop_after))
         if features.torch_compile.active(self.job.resolved):
             out.append(cb.CompileTime(self.job.resolved.spec.num_layers))
         return out
+
+    def probe_largest_batch(self, state: TrainState) -> None:
+        """The widest micro-batch the data can give (one document a row: the longest rows, spread over the
+        ranks as the sampler would), forward and backward under the memory meter; nothing is updated, its
+        gradients are dropped and the RNG is restored, so the run goes on as it would have."""
+        job, env = self.job, self.env
+        n, b = job.train.ids.shape[0], job.resolved.batch.micro_batch_size
+        lengths = job.train.lengths
+        order = sorted(range(n), key=lambda i: -int(lengths[i])) if lengths is not None else list(range(n))
+        rows = order[: b * env.world][env.rank :: env.world]
+        mb = job.train.batch(rows, env.device)
+        meter = measure.step_meter(features.torch_compile.active(job.resolved))(
+            self.model, state.optimizer, list(mb.values()), env.device, lora=features.lora.on(job.cfg)
+        )
+        hooks = step.StepHooks(on_phase=meter.on_phase, decide=lambda *_: False)  # never applied
+        devices = [env.device] if env.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), meter:
+            step.train_step(self.model, step.Update(state.optimizer), [mb], self.settings, hooks=hooks)
+        self.record.largest_batch_probe = {
+            "after_step": state.step,
+            "shape": list(mb["input_ids"].shape),
+            "per_rank": env.gather(meter.result()["peak_bytes"]),
+        }
 
     def step(self, state: TrainState, guard: StepGuard, fixed: list, *, metered: bool, keep: bool, inject) -> dict:
         """One optimizer step over the accumulation window; appends and returns its record entry."""

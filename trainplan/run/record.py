@@ -53,6 +53,9 @@ class RunRecord:
     train_seconds: float | None = None  # the training steps alone, a part of wall_seconds
     compile: dict | None = None  # train.compile: backend, regions, seconds (run/loop.py compile_time)
     memory: dict | None = None  # the measured step: {"step", "per_rank": [StepMeter.result()]}
+    # train.largest_batch_first: the widest micro-batch's forward and backward, run after step 1 and
+    # undone: {"after_step", "shape", "per_rank": [measured peak bytes]}
+    largest_batch_probe: dict | None = None
     phase_memory: dict | None = None  # the run around the step: {"per_rank": [{"device", "load", "evaluate", "save"}]}
     generation: dict | None = None  # inference: prompt and completion
     # accept: greedy completions of held-out prompts by the base and the result, [{prompt, before, after}]
