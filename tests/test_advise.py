@@ -2,6 +2,7 @@
 
 import functools
 import json
+import math
 import re
 import sqlite3
 import subprocess
@@ -475,3 +476,30 @@ def test_qlora_on_cuda_is_runnable_and_on_the_cpu_is_not():
     qlora = [o for o in order if o.rung.mode == "qlora"]
     assert qlora and all(rank.train_blocker(s, o) in ("", "sharded 8-bit AdamW") for o in qlora)
     assert any(rank.train_blocker(s, o) == "" for o in qlora)
+
+
+def test_a_run_length_gives_each_row_its_time_and_with_a_price_its_cost(tmp_path, capsys):
+    """--tokens sets the steps; each row's run time is steps x its estimated step time, its device hours
+    that x the devices, its cost those x --price; a registry run that measured half the assumed speed
+    doubles the run time of the same configuration."""
+    argv = ["advise", "Llama-3.1-8B", "--gpus", "2xH100-80GB", "--seq", "2048", "--tokens", "40960000"]
+    assert cli.main([*argv, "--price", "2.5", "--format", "json", "--registry", "off", "--top", "3"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    steps = math.ceil(40960000 / (2 * 2048))
+    for e in doc["entries"]:
+        run = e["run"]
+        assert run["steps"] == steps and run["seconds"] == pytest.approx(steps * e["estimate"]["step_seconds"])
+        assert run["device_hours"] == pytest.approx(run["seconds"] / 3600 * 2)
+        assert run["cost"] == pytest.approx(run["device_hours"] * 2.5)
+    assert cli.main([*argv, "--price", "2.5", "--registry", "off", "--top", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "run" in text and "cost" in text and "dev-h" in text
+    assert cli.main([*argv, "--format", "json", "--registry", "off", "--top", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["entries"][0]["run"]["cost"] is None  # no price, no cost
+    first = doc["entries"][0]
+    cfg = C.load(None, [], {"model.source": "Llama-3.1-8B", "hardware.gpus": "2xH100-80GB", "batch.seq_len": 2048})
+    cfg = replace(cfg, mode=first["mode"])
+    mfu = first["estimate"]["mfu"]["H100-80GB"]
+    slower = estimate.estimate(resolve(cfg), {"H100-80GB": mfu / 2})
+    faster = estimate.estimate(resolve(cfg), {"H100-80GB": mfu})
+    assert steps * slower.step_s > 1.9 * steps * faster.step_s  # the calibrated estimate moves the run time

@@ -127,13 +127,6 @@ def require_runnable(cfg: C.RunConfig, dims: ParallelDims, *, max_positions: int
     max_positions: the model's context (a longer sequence is refused); cuda: whether the run has
     CUDA devices."""
     features.require_runnable(cfg, dims, cuda=cuda)
-    if cfg.train.largest_batch_first and cfg.optim.step_in_backward:
-        raise NotRunnable(
-            "train.largest_batch_first",
-            "the probe's backward would update the weights: optim.step_in_backward steps in backward",
-            "turn one of them off",
-            what="a memory probe with the optimizer stepping in backward",
-        )
     if max_positions is not None and cfg.batch.seq_len > max_positions and not cfg.model.extend_context:
         raise NotRunnable(
             "batch.seq_len",

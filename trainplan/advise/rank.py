@@ -186,10 +186,23 @@ def _seconds(x: float | None) -> str:
     return f"{x * 1e3:.0f} ms" if x < 1 else f"{x:.2f} s"
 
 
+def _run_time(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    if x < 60:
+        return f"{x:.1f} s"
+    if x < 3600:
+        return f"{x / 60:.1f} min"
+    return f"{x / 3600:.1f} h" if x < 86400 * 2 else f"{x / 86400:.1f} d"
+
+
 def render_table(entries: list[dict], total_fit: int, *, terminal: bool = False) -> str:
     """The ranked entries as a table, then why each one is what it is (wrapped, never cut)."""
     from trainplan.text import columns, render, table, wrap
 
+    timed = any(e.get("run") for e in entries)  # --tokens / --epochs: the run's time, and with a price its cost
+    priced = any((e.get("run") or {}).get("cost") is not None for e in entries)
+    extra = ["run\n(est.)>"] * timed + ["cost\n(est.)>"] * priced
     t = table(
         "#>",
         "mode",
@@ -200,11 +213,17 @@ def render_table(entries: list[dict], total_fit: int, *, terminal: bool = False)
         "peak / usable\n(GiB)",
         "step\n(est.)>",
         "tokens/s\n(est.)>",
+        *extra,
         show_lines=True,
     )
     for e in entries:
         est = e["estimate"] or {}
         tps = est.get("tokens_per_s")
+        run = e.get("run") or {}
+        cells = [_run_time(run.get("seconds"))] * timed
+        cells += [
+            f"{run['cost']:,.2f}\n{run['device_hours']:,.2f} dev-h" if run.get("cost") is not None else "n/a"
+        ] * priced
         t.add_row(
             str(e["rank"]),
             f"{e['mode']}\n{e['precision']}",
@@ -216,6 +235,7 @@ def render_table(entries: list[dict], total_fit: int, *, terminal: bool = False)
             f"{e['peak']['total_bytes'] / GiB:.1f} / {e['peak']['usable_bytes'] / GiB:.1f}\n{e['peak']['device']}",
             _seconds(est.get("step_seconds")),
             f"{tps:,.0f}" if tps else "n/a",
+            *cells,
         )
     width = columns(terminal)
     lines = [render(t, terminal=terminal)]

@@ -74,6 +74,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, type=output_file, help="write the chosen configuration as TOML (atomically)")
     p.add_argument("--data", default=None, help="training data for --out: .txt/.jsonl file or directory (data.source)")
     length = p.add_mutually_exclusive_group()
+    p.add_argument(
+        "--price",
+        type=float,
+        default=None,
+        help="what one device costs an hour (hardware.price_per_gpu_hour): with --tokens or --epochs, a cost "
+        "column, the estimated run time x devices x this",
+    )
     length.add_argument("--tokens", type=int, default=None, help="train on this many tokens: sets train.steps")
     length.add_argument(
         "--epochs", type=float, default=None, help="passes over the training split: sets train.steps (needs weights)"
@@ -113,6 +120,8 @@ def request_from_args(args: argparse.Namespace) -> Request:
     }
     if args.gpu_mem:
         settings["hardware.gpu_mem"] = args.gpu_mem
+    if args.price is not None:
+        settings["hardware.price_per_gpu_hour"] = args.price
     if args.data is not None:
         if not Path(args.data).exists():
             raise ConfigError("--data", f"{args.data!r} does not exist", "give a .txt/.jsonl file or a directory")
@@ -154,6 +163,17 @@ def request_from_args(args: argparse.Namespace) -> Request:
             f"use a multiple of {world}",
         )
     return req
+
+
+def run_cost(entry: dict, steps: int | None, devices: int, price: float) -> dict | None:
+    """The run's length from --tokens / --epochs: steps x the entry's estimated step time, the device hours,
+    and with a price the cost; None without a run length or a step-time estimate."""
+    est = entry["estimate"]
+    if steps is None or est is None or not est.get("step_seconds"):
+        return None
+    seconds = steps * est["step_seconds"]
+    hours = seconds / 3600 * devices
+    return {"steps": steps, "seconds": seconds, "device_hours": hours, "cost": hours * price if price else None}
 
 
 def training_steps(args: argparse.Namespace, base: C.RunConfig, spec, global_batch: int) -> int | None:
@@ -202,6 +222,9 @@ def run(args: argparse.Namespace) -> int:
     order = ranked(s, args.prefer, include_unrunnable=args.include_unrunnable)
     top = order if args.top == 0 else order[: args.top]
     entries = [entry_json(s, o, i + 1, args.prefer) for i, o in enumerate(top)]
+    steps = req.base.train.steps if args.tokens is not None or args.epochs is not None else None
+    for e in entries if steps is not None else ():  # the run's length known: its time (and cost)
+        e["run"] = run_cost(e, steps, len(s.devices), req.base.hardware.price_per_gpu_hour)
     doc = {
         "schema": SCHEMA,
         "model": req.spec.summary(),

@@ -458,8 +458,21 @@ class HardwareConfig:
     # the workload class (plan/fragmentation.py)
     allocator_reserve: float | None = None
     safety_margin: float = 0.0  # extra fraction of capacity kept free for the verdict
+    # what one device costs an hour (any currency; `advise --price` sets it): advise's cost column is
+    # the estimated run time x devices x this; 0: no cost column (no price table is shipped)
+    price_per_gpu_hour: float = 0.0
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.price_per_gpu_hour, bool)
+            or not isinstance(self.price_per_gpu_hour, int | float)
+            or not 0 <= self.price_per_gpu_hour < float("inf")
+        ):
+            raise ConfigError(
+                "hardware.price_per_gpu_hour",
+                f"must be a number >= 0 (got {self.price_per_gpu_hour!r})",
+                "e.g. hardware.price_per_gpu_hour = 2.49 (0: no cost column)",
+            )
         for name in ("cuda_context_mib", "cublas_workspace_mib", "cpu_runtime_mib"):
             _positive_int("hardware", name, getattr(self, name), minimum=0, maximum=MAX_RUNTIME_MIB)
         if self.allocator_reserve is not None:

@@ -22,7 +22,7 @@ from trainplan.features.activation_offload import plan as activation_offload
 from trainplan.features.checkpointing import plan as checkpointing
 from trainplan.features.optimizer_offload import plan as optimizer_offload
 from trainplan.features.step_in_backward import plan as step_in_backward
-from trainplan.plan import context, lifecycle, offload
+from trainplan.plan import context, lifecycle, offload, packing
 from trainplan.plan import terms as T
 from trainplan.plan.backward import backward_moments
 from trainplan.plan.formulas import kv_cache_bytes, model_state_bytes_per_param, zero_model_state_bytes
@@ -41,7 +41,6 @@ from trainplan.plan.tensors import (
     zero1_partition,
 )
 from trainplan.resolve import Resolved, resolve
-from trainplan.run import sources
 from trainplan.spec.devices import DeviceSpec, MiB
 from trainplan.spec.model import ModelSpec
 from trainplan.spec.parallel import ParallelDims
@@ -265,10 +264,7 @@ def _device_ledger(
 
     device = r.devices[rank]
     band, band_source = accuracy.band(r.spec.model_type, r.cfg.mode, derived=r.spec.derived)
-    if r.training and sources.packing(r.cfg.data)[0] == "document" and r.attention != "eager":
-        # the block-causal mask's moments are planned to within PACKED_BAND of the trace (tiny Llama, seq
-        # 256 and 1024, full and LoRA, with and without checkpointing: worst -1.32%, LoRA seq 1024)
-        band, band_source = band + PACKED_BAND, f"{band_source}; + {PACKED_BAND:.1%} for packed documents' masks"
+    band, band_source = packing.band(r, band, band_source)
     reserve, reserve_source = allocator_reserve(r.cfg)
     led = DeviceLedger(
         label=_label(device, rank),
@@ -293,9 +289,6 @@ def _device_ledger(
     )
     _runtime_explain(led, r.cfg, reserve_source)
     return led
-
-
-PACKED_BAND = 0.015  # the worst plan-vs-trace miss of document packing's mask terms, rounded up
 
 
 def allocator_reserve(cfg: C.RunConfig) -> tuple[float, str]:
@@ -597,13 +590,5 @@ def _notes(r: Resolved) -> list[str]:
         )
     if any(d.kind == "cuda" for d in r.devices) and r.dims.world_size > 1:
         notes.append("NCCL's own buffers and per-peer channels are not in the bill yet.")
-    packing, why = sources.packing(r.cfg.data)
-    if r.training and packing == "none" and r.cfg.data.max_length > b.seq_len:
-        notes.append(
-            f"One document a row ({why}) up to data.max_length {r.cfg.data.max_length}: a micro-batch of rows "
-            f"longer than seq_len {b.seq_len} needs more than this plan; `trainplan plan --data` plans the run's "
-            "widest micro-batch and names its step."
-        )
-    elif r.training and packing == "document":
-        notes.append(f"Documents packed apart ({why}): their block-causal mask is in the bill.")
+    notes += packing.notes(r)
     return notes

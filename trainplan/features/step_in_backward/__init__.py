@@ -62,6 +62,12 @@ def refuse(r: Resolved) -> None:
             "set guard.enabled = false, or optim.step_in_backward = false",
         ),
         (
+            cfg.train.largest_batch_first,
+            "train.largest_batch_first",
+            "the memory probe's backward would update the weights: optim.step_in_backward steps in backward",
+            "set train.largest_batch_first = false, or optim.step_in_backward = false",
+        ),
+        (
             optimizer_offload.on(cfg),
             "parallel.offload_optimizer",
             "offloaded states are stepped on the host after backward, not inside it",
