@@ -584,3 +584,28 @@ def test_the_largest_batch_probe_runs_after_step_one_and_changes_nothing(tiny_ru
     assert probe["after_step"] == 1 and probe["shape"][1] > 90  # the long row is in it
     assert probe["shape"][1] >= max(shape[1] for s in probed["steps"] for shape in s["shapes"])
     assert probe["per_rank"][0] >= max(s["measured_peak_bytes"][0] for s in probed["steps"])
+
+
+def test_accept_measures_the_widest_unpacked_step_and_checks_it_against_its_shapes_plan(tiny_run, tmp_path):
+    """accept with one document a row: the run measures the step the data plan names as the widest,
+    and the memory check plans that step's shape (not batch.seq_len): every row within tolerance."""
+    from trainplan.plan import analytic, from_data
+    from trainplan.run import loop
+    from trainplan.verify import accept, checks
+
+    _, base = tiny_run
+    rows = [{"prompt": f"q{i} ", "completion": "word " * (2 + i % 11)} for i in range(40)]
+    rows += [{"prompt": "long ", "completion": "word " * 100}]
+    source = write(tmp_path / "accept.jsonl", rows)
+    settings = [*[s for s in base if not s.startswith("data.")], f"data.source={source}", "data.packing=none"]
+    cfg = C.load(None, [*settings, "batch.seq_len=256", "train.steps=12", f"train.output_dir={tmp_path / 'run'}"])
+    measured = accept.widest_measured(cfg)
+    widest = from_data.profile(cfg)["widest"]
+    assert measured.train.measure_step == widest["step"] and widest["shape"][1] > 100
+    record, _ = loop.run(measured)
+    ledger = accept.memory_plan(C.from_dict(record.config), record)
+    assert ledger.settings["seq_len"] == widest["shape"][1]
+    check = checks.check_memory(record, ledger, accept.TOLERANCE)
+    assert check.passed, check.summary
+    at_seq = checks.check_memory(record, analytic.plan(C.from_dict(record.config)), accept.TOLERANCE)
+    assert not at_seq.passed  # planned at batch.seq_len instead, the check would fail: it can tell

@@ -123,6 +123,35 @@ class _Checks:
         self.seconds[key] = time.perf_counter() - t0
 
 
+def _unpacked(cfg: C.RunConfig) -> bool:
+    from trainplan.run import sources
+
+    return cfg.mode != "inference" and sources.packing(cfg.data)[0] == "none"
+
+
+def widest_measured(cfg: C.RunConfig) -> C.RunConfig:
+    """One document a row (data.packing "none"): every step has its own shape, so the run measures the
+    step the data plan names as the widest (plan/from_data.py), unless train.measure_step names one."""
+    if not _unpacked(cfg) or cfg.train.measure_step:
+        return cfg
+    from trainplan.plan import from_data
+
+    step = from_data.profile(cfg)["widest"]["step"]
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, measure_step=step))
+
+
+def memory_plan(cfg: C.RunConfig, record) -> object:
+    """The plan the measured step is checked against: at that step's shape where shapes vary (its widest
+    micro-batch's tokens a row, as the record's step entry gives them)."""
+    from trainplan.plan import analytic
+
+    entry = next((e for e in record.steps if e["step"] == (record.memory or {}).get("step")), None)
+    if not _unpacked(cfg) or entry is None or "shapes" not in entry:
+        return analytic.plan(cfg)
+    width = max(shape[1] for shape in entry["shapes"])
+    return analytic.plan(dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, seq_len=width)))
+
+
 def accept(
     cfg: C.RunConfig,
     *,
@@ -152,6 +181,7 @@ def accept(
     for own in ("train", "overfit"):  # accept's own runs start clean in a reused output dir
         shutil.rmtree(out_dir / own / "checkpoints", ignore_errors=True)
     main_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=str(out_dir / "train")))
+    main_cfg = widest_measured(main_cfg)
     config_file = out_dir / "config.toml"
     config_file.write_text(C.to_toml(main_cfg))
     steps = "inference" if cfg.mode == "inference" else f"training {cfg.train.steps} steps"
@@ -168,7 +198,7 @@ def accept(
         done(check_contract(record))
 
     with checks.running("memory", "plan vs measured, per device") as done:
-        ledger = perturbed(analytic.plan(C.from_dict(record.config)), perturb)
+        ledger = perturbed(memory_plan(C.from_dict(record.config), record), perturb)
         done(check_memory(record, ledger, tolerance))
 
     with checks.running("step", f"overfitting one batch, training {overfit_steps} steps") as done:
