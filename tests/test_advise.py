@@ -503,3 +503,21 @@ def test_a_run_length_gives_each_row_its_time_and_with_a_price_its_cost(tmp_path
     slower = estimate.estimate(resolve(cfg), {"H100-80GB": mfu / 2})
     faster = estimate.estimate(resolve(cfg), {"H100-80GB": mfu})
     assert steps * slower.step_s > 1.9 * steps * faster.step_s  # the calibrated estimate moves the run time
+
+
+def test_advise_on_unpacked_data_plans_its_longest_row(tmp_path, capsys):
+    """One document a row: the widest micro-batch of an epoch holds the longest row, so advise --data
+    --epochs searches at that width, and the TOML it writes cuts rows where the request did."""
+    data = tmp_path / "rows.jsonl"
+    rows = [{"prompt": "a", "completion": "b c"}, {"prompt": "x", "completion": "y"}] * 3
+    rows += [{"prompt": f"long {i}", "completion": "w " * 120} for i in range(4)]  # a hash splits: some train
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "chosen.toml"
+    argv = ["advise", "default", "--gpus", "1xL4", "--seq", "256", "--data", str(data), "--epochs", "1"]
+    argv += ["--set", "data.packing=none", "--set", "data.eval_fraction=0.2", "--registry", "off"]
+    assert cli.main([*argv, "--format", "json", "--top", "1", "--out", str(out)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    widest = doc["request"]["seq_len"]
+    assert 120 < widest < 256 and any(f"longest row, {widest} tokens" in n for n in doc["notes"])
+    written = C.load(str(out))
+    assert written.batch.seq_len == widest and written.data.max_length == 256

@@ -143,6 +143,10 @@ def request_from_args(args: argparse.Namespace) -> Request:
     steps = training_steps(args, base, spec, g)
     if steps is not None:
         base = replace(base, train=replace(base.train, steps=steps))
+    widest = getattr(args, "widest_row", None)
+    if widest is not None:  # planned at the data's longest row, the rows still cut where train cuts them
+        cut = base.data.max_length or base.batch.seq_len
+        base = replace(base, batch=replace(base.batch, seq_len=widest), data=replace(base.data, max_length=cut))
     modes = TRAIN_MODES if args.mode == "auto" else (args.mode,)
     if args.registry is None:  # the run registry that train and accept write, when there is one
         from trainplan.verify import registry
@@ -207,7 +211,10 @@ def training_steps(args: argparse.Namespace, base: C.RunConfig, spec, global_bat
     train_docs, _ = data.load(base.data, cache=cache)
     tokenizer = weights.load_tokenizer(base, spec)
     packing = data.packing_of(train_docs, base.data.packing)
-    packed = data.pack(train_docs, tokenizer, base.batch.seq_len, spec.vocab_size, packing=packing, cache=cache)
+    longest = base.data.max_length or base.batch.seq_len
+    packed = data.pack(train_docs, tokenizer, longest, spec.vocab_size, packing=packing, cache=cache)
+    if packed.lengths is not None:  # one document a row: an epoch's widest micro-batch holds its longest row
+        args.widest_row = int(packed.lengths.max())
     return data.steps_for_epochs(args.epochs, packed.ids.shape[0], global_batch)
 
 
@@ -258,6 +265,11 @@ def run(args: argparse.Namespace) -> int:
         blocker = train_blocker(s, order[0])
         if blocker:
             notes.append(f"wrote row 1, which `trainplan train` does not run yet: {blocker}")
+    if getattr(args, "widest_row", None) is not None:
+        notes.append(
+            f'one document a row (data.packing = "none"): planned at the data\'s longest row, {args.widest_row} '
+            "tokens, the width of the widest micro-batch of any epoch (`trainplan plan --data` names its step)"
+        )
     doc["notes"] = notes
     if args.format == "json":
         print(json.dumps(doc, indent=1))
