@@ -473,6 +473,9 @@ def test_a_run_without_packing_records_its_shapes_and_learns(tiny_run, tmp_path)
     cfg = C.load(None, [*settings, "data.max_length=40", f"train.output_dir={tmp_path / 'run'}"])
     record = execute(cfg, quiet=True)[0].to_json()
     assert record["data"]["packing"] == "none" and record["data"]["packing_efficiency"] < 1
+    est = record["time_estimate"]  # the advisor's estimate for this config beside the measured steps
+    assert est["measured_over_estimated"] == pytest.approx(est["measured_step_seconds"] / est["estimated_step_seconds"])
+    assert est["estimated_train_seconds"] == pytest.approx(3 * est["estimated_step_seconds"])
     widths = [shape[1] for step in record["steps"] for shape in step["shapes"]]
     assert len(widths) == 3 and max(widths) <= 40 and len(set(widths)) >= 1
     assert record["eval_after"]["loss"] < record["eval_before"]["loss"]

@@ -73,6 +73,36 @@ def register(record, registry_arg: str | None, device: str) -> None:
         warn("train", f"run not registered ({type(e).__name__}: {e})")
 
 
+def time_vs_estimate(rec) -> dict | None:
+    """The step time `advise` would have estimated for this run (its config on its devices, the assumed
+    MFU: a registry run calibrates advise's later estimates, not this one) beside the measured median
+    step (the first left out: it compiles and creates the optimizer state), and the run's training time
+    beside steps x the estimate."""
+    import statistics
+
+    from trainplan import config as C
+    from trainplan.advise import estimate
+    from trainplan.resolve import resolve
+
+    seconds = [s["seconds"] for s in rec.steps[1:] if "seconds" in s]
+    if not seconds or rec.train_seconds is None:
+        return None
+    try:
+        est = estimate.estimate(resolve(C.from_dict(rec.config)))
+    except (ValueError, KeyError) as e:  # a layout or device the estimator does not know: the record says so
+        return {"error": f"{type(e).__name__}: {e}"}
+    measured = statistics.median(seconds)
+    return {
+        "estimated_step_seconds": est.step_s,
+        "measured_step_seconds": measured,
+        "measured_over_estimated": measured / est.step_s if est.step_s else None,
+        "estimated_train_seconds": est.step_s * len(rec.steps),
+        "measured_train_seconds": rec.train_seconds,
+        "mfu": est.mfu,
+        "mfu_source": est.mfu_source,
+    }
+
+
 def execute(cfg, registry_arg: str | None = None, *, quiet: bool = False):
     """Run cfg, register the run and write its record (on the main rank); (record, env)."""
     from trainplan.plan.analytic import choose_checkpointing
@@ -85,6 +115,7 @@ def execute(cfg, registry_arg: str | None = None, *, quiet: bool = False):
 
     rec, env = loop.run(cfg, quiet=quiet, bill=preflight_bill)  # each rank's preflight checks the plan's bill
     if env.is_main:  # the record first: the registry never lists a run whose record was not written
+        rec.time_estimate = time_vs_estimate(rec)
         out = Path(rec.config["train"]["output_dir"])
         record.write(rec, out)
         register(rec, registry_arg, record.device_name(env))

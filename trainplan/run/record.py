@@ -56,6 +56,9 @@ class RunRecord:
     # train.largest_batch_first: the widest micro-batch's forward and backward, run after step 1 and
     # undone: {"after_step", "shape", "per_rank": [measured peak bytes]}
     largest_batch_probe: dict | None = None
+    # the advisor's step-time estimate for this run's config and devices against the measured steps
+    # (commands/train.py time_vs_estimate): {"estimated_step_seconds", "measured_step_seconds", ...}
+    time_estimate: dict | None = None
     phase_memory: dict | None = None  # the run around the step: {"per_rank": [{"device", "load", "evaluate", "save"}]}
     generation: dict | None = None  # inference: prompt and completion
     # accept: greedy completions of held-out prompts by the base and the result, [{prompt, before, after}]
