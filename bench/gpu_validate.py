@@ -27,6 +27,7 @@ import contextlib
 import gc
 import json
 import multiprocessing
+import re
 import shutil
 import statistics
 import sys
@@ -235,7 +236,7 @@ def _nvml_used(device) -> int | None:
         return None
 
 
-def measure_row(cfg, r, device, steps: int) -> dict:
+def measure_row(cfg, r, device, steps: int, snapshot: Path | None = None) -> dict:
     """Run `steps` steps of trainplan's own step: step 2 measured per phase, later ones timed.
     Optimizer offload runs as `train` runs it on one GPU: FSDP2 over a one-rank mesh, parameters and
     the optimizer step on the host."""
@@ -247,13 +248,13 @@ def measure_row(cfg, r, device, steps: int) -> dict:
     if host:
         dist.join_alone(env)
     try:
-        return _measure(cfg, r, device, steps, mesh=dist.mesh(env) if host else None)
+        return _measure(cfg, r, device, steps, mesh=dist.mesh(env) if host else None, snapshot=snapshot)
     finally:
         if host:
             dist.leave_alone()
 
 
-def _measure(cfg, r, device, steps: int, *, mesh) -> dict:
+def _measure(cfg, r, device, steps: int, *, mesh, snapshot: Path | None = None) -> dict:
     import torch
 
     from trainplan import _torch_private as P
@@ -265,6 +266,9 @@ def _measure(cfg, r, device, steps: int, *, mesh) -> dict:
     if device.type == "cuda":  # the row's allocator mode, on an emptied cache (rows share one process)
         _free(device)
         P.set_expandable_segments(cfg.memory.expandable_segments)
+    recording = snapshot is not None and device.type == "cuda"
+    if recording:  # --snapshot: every allocation and free of the row, with its stack (memory_viz reads it)
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     torch.manual_seed(0)
     if mesh is not None:
         model = build.build_model(r.spec, cfg, r.precision, dims=r.dims, mesh=mesh)
@@ -316,8 +320,17 @@ def _measure(cfg, r, device, steps: int, *, mesh) -> dict:
             memory = meter.result()
             moved = hooks_of.peak_bytes if hooks_of is not None else None
     del model, optimizer, micro, ids, loss, hooks_of
+    snapped = None
+    if recording:
+        snapshot.parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(snapshot))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        snapped = str(snapshot)
+    elif snapshot is not None:
+        snapped = "not taken: the allocator's history is CUDA's"
     _free(device)
     return {
+        "snapshot": snapped,
         "step_seconds": times,
         "losses": losses,
         "memory": memory,
@@ -517,7 +530,10 @@ def validate_row(row, settings, trace_future, device, args, peak_tflops, nvml_ba
         },
         "settings": settings,
     }
-    run = measure_row(cfg, r, device, args.steps)
+    snapshot = (
+        Path(args.snapshot) / f"{re.sub(r'[^A-Za-z0-9.=-]+', '_', row_name(row))}.pickle" if args.snapshot else None
+    )
+    run = measure_row(cfg, r, device, args.steps, snapshot)
     try:  # a trace that failed, or a worker that died, costs the row its traced plan only
         trace = trace_future.result() if hasattr(trace_future, "result") else trace_future
     except Exception as e:
@@ -544,6 +560,8 @@ def validate_row(row, settings, trace_future, device, args, peak_tflops, nvml_ba
         "step_seconds": run["step_seconds"],
         **throughput(run["step_seconds"], tokens, flops, peak_tflops, skip={0, 1}),
     }
+    if run["snapshot"] is not None:
+        out["snapshot"] = run["snapshot"]
     out["hf"] = None
     if mode == "lora" and not args.no_hf:
         if time.monotonic() - START > args.budget_s:
@@ -654,6 +672,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face Trainer + PEFT on the LoRA rows")
     ap.add_argument("--trace-workers", type=int, default=None, help="CPU processes for traced plans (0: inline)")
     ap.add_argument("--budget-s", type=float, default=420, help="start no row (and no HF run) after this many seconds")
+    ap.add_argument(
+        "--snapshot",
+        default=None,
+        help="a folder: each CUDA row's allocator history (torch.cuda.memory._dump_snapshot, for memory_viz), "
+        "e.g. --rows 13 --snapshot $OUT/snap to see what row 13's warm-up reserves (docs/gpu-validation.md)",
+    )
     args = ap.parse_args(argv)
     if args.steps < 3:
         ap.error("--steps: needs at least 3 (warm-up, measured, timed)")

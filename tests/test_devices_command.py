@@ -159,7 +159,8 @@ def test_gpu_validate_smoke_run_writes_the_results(tmp_path):
     out = tmp_path / "results.json"
     r = subprocess.run(
         # one trace worker process: the path the GPU run takes
-        [sys.executable, str(ROOT / "bench" / "gpu_validate.py"), "--smoke", "--trace-workers", "1", "--out", str(out)],
+        [sys.executable, str(ROOT / "bench" / "gpu_validate.py"), "--smoke", "--trace-workers", "1", "--out", str(out)]
+        + ["--snapshot", str(tmp_path / "snap")],
         capture_output=True,
         text=True,
         timeout=120,
@@ -182,6 +183,7 @@ def test_gpu_validate_smoke_run_writes_the_results(tmp_path):
         assert row["errors"]["traced_vs_allocated"] == 0.0 and row["targets_met"]["analytic_allocated"] is True
         assert row["targets_met"]["analytic_reserved"] is None  # no allocator reserve on the CPU
         assert len(row["throughput"]["losses"]) == 3 and row["throughput"]["tokens_per_s"] > 0
+        assert row["snapshot"] == "not taken: the allocator's history is CUDA's"  # --snapshot on the CPU
     lora = doc["rows"][1]
     assert lora["hf"]["tokens_per_s"] > 0 and lora["hf"]["ratio_trainplan_over_hf"] > 0
     assert doc["rows"][0]["hf"] is None
