@@ -140,13 +140,12 @@ def request_from_args(args: argparse.Namespace) -> Request:
     g = world if args.global_batch is None else args.global_batch
     if isinstance(g, bool) or g < 1:
         raise ConfigError("--global-batch", f"must be an integer >= 1 (got {g})", f"e.g. --global-batch {world}")
-    steps = training_steps(args, base, spec, g)
+    steps, args.widest_row = training_steps(args, base, spec, g)
     if steps is not None:
         base = replace(base, train=replace(base.train, steps=steps))
-    widest = getattr(args, "widest_row", None)
-    if widest is not None:  # planned at the data's longest row, the rows still cut where train cuts them
+    if args.widest_row is not None:  # planned at the data's longest row, the rows still cut where train cuts them
         cut = base.data.max_length or base.batch.seq_len
-        base = replace(base, batch=replace(base.batch, seq_len=widest), data=replace(base.data, max_length=cut))
+        base = replace(base.at_seq_len(args.widest_row), data=replace(base.data, max_length=cut))
     modes = TRAIN_MODES if args.mode == "auto" else (args.mode,)
     if args.registry is None:  # the run registry that train and accept write, when there is one
         from trainplan.verify import registry
@@ -180,9 +179,12 @@ def run_cost(entry: dict, steps: int | None, devices: int, price: float) -> dict
     return {"steps": steps, "seconds": seconds, "device_hours": hours, "cost": hours * price if price else None}
 
 
-def training_steps(args: argparse.Namespace, base: C.RunConfig, spec, global_batch: int) -> int | None:
-    """train.steps from --tokens (tokens per step = global batch x seq) or --epochs (the training
-    split packed with the model's own tokenizer, as `trainplan train` packs it)."""
+def training_steps(
+    args: argparse.Namespace, base: C.RunConfig, spec, global_batch: int
+) -> tuple[int | None, int | None]:
+    """(train.steps, the longest row) from --tokens (tokens per step = global batch x seq) or --epochs (the
+    training split packed with the model's own tokenizer, as `trainplan train` packs it). The longest row
+    only for one document a row under --epochs: an epoch's widest micro-batch holds it."""
     import math
 
     per_step = global_batch * base.batch.seq_len
@@ -192,9 +194,9 @@ def training_steps(args: argparse.Namespace, base: C.RunConfig, spec, global_bat
     if args.tokens is not None:
         if isinstance(args.tokens, bool) or args.tokens < 1:
             raise ConfigError("--tokens", f"must be >= 1 (got {args.tokens})", "e.g. --tokens 100000000")
-        return math.ceil(args.tokens / per_step)
+        return math.ceil(args.tokens / per_step), None
     if args.epochs is None:
-        return None
+        return None, None
     if not math.isfinite(args.epochs) or args.epochs <= 0:
         raise ConfigError("--epochs", f"must be a number > 0 (got {args.epochs})", "e.g. --epochs 3")
     from trainplan.run import data, weights
@@ -213,9 +215,8 @@ def training_steps(args: argparse.Namespace, base: C.RunConfig, spec, global_bat
     packing = data.packing_of(train_docs, base.data.packing)
     longest = base.data.max_length or base.batch.seq_len
     packed = data.pack(train_docs, tokenizer, longest, spec.vocab_size, packing=packing, cache=cache)
-    if packed.lengths is not None:  # one document a row: an epoch's widest micro-batch holds its longest row
-        args.widest_row = int(packed.lengths.max())
-    return data.steps_for_epochs(args.epochs, packed.ids.shape[0], global_batch)
+    widest = int(packed.lengths.max()) if packed.lengths is not None else None
+    return data.steps_for_epochs(args.epochs, packed.ids.shape[0], global_batch), widest
 
 
 # ---- ranking ---------------------------------------------------------------------------------
@@ -265,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
         blocker = train_blocker(s, order[0])
         if blocker:
             notes.append(f"wrote row 1, which `trainplan train` does not run yet: {blocker}")
-    if getattr(args, "widest_row", None) is not None:
+    if args.widest_row is not None:
         notes.append(
             f'one document a row (data.packing = "none"): planned at the data\'s longest row, {args.widest_row} '
             "tokens, the width of the widest micro-batch of any epoch (`trainplan plan --data` names its step)"

@@ -502,6 +502,11 @@ class RunConfig:
         _choice("run", "mode", self.mode, MODES)
         _choice("run", "precision", self.precision, PRECISIONS)
 
+    def at_seq_len(self, seq_len: int) -> RunConfig:
+        """This config with rows of seq_len tokens: a micro-batch shape the data gives (plan --data, the
+        preflight and accept for one document a row)."""
+        return dataclasses.replace(self, batch=dataclasses.replace(self.batch, seq_len=seq_len))
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -11,7 +11,6 @@ the fixed one, with the data's figures beside it.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 from trainplan import config as C
@@ -37,8 +36,8 @@ def profile(cfg: C.RunConfig) -> dict:
     packing = data.packing_of(docs, cfg.data.packing)
     seq = cfg.data.max_length if packing == "none" and cfg.data.max_length else r.batch.seq_len
     tokenizer = weights.load_tokenizer(cfg, r.spec)
-    packed = data.pack(docs, tokenizer, seq, r.spec.vocab_size, packing=packing, cache=cache)
     table = data.tokenized(docs, tokenizer, cache)
+    packed = data.pack(docs, tokenizer, seq, r.spec.vocab_size, packing=packing, cache=cache, table=table)
     extra = 0 if tokenizer.eos_token_id is None else 1
     doc_tokens = sorted(int(n) + extra for n in table.data.column("input_ids").combine_chunks().value_lengths())
     b, dp, accum = r.batch.micro_batch_size, r.batch.dp, r.batch.grad_accum_steps
@@ -86,7 +85,7 @@ def profile(cfg: C.RunConfig) -> dict:
 
 def at_widest(cfg: C.RunConfig, prof: dict) -> C.RunConfig:
     """The run's config at the data's widest micro-batch: its tokens a row as batch.seq_len."""
-    return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, seq_len=prof["widest"]["shape"][1]))
+    return cfg.at_seq_len(prof["widest"]["shape"][1])
 
 
 def plan(cfg: C.RunConfig) -> Ledger:

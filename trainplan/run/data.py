@@ -221,6 +221,11 @@ def packing_of(docs: list[Document], setting: str) -> str:
     return "document" if any(d.messages or d.prompt or d.completion for d in docs) else "concat"
 
 
+def packing_name(positions, lengths) -> str:
+    """Which packing made these rows: per-row lengths (one document a row), per-document positions, or neither."""
+    return "none" if lengths is not None else "concat" if positions is None else "document"
+
+
 class Packed(NamedTuple):
     ids: torch.Tensor  # (n, seq_len)
     labels: torch.Tensor  # (n, seq_len), IGNORE_INDEX where no loss is taken
@@ -231,12 +236,7 @@ class Packed(NamedTuple):
 
     @property
     def packing(self) -> str:
-        return "none" if self.lengths is not None else "concat" if self.positions is None else "document"
-
-    @property
-    def efficiency(self) -> float:
-        """Real tokens / slots: 1.0 under concat packing."""
-        return self.filled / self.ids.numel()
+        return packing_name(self.positions, self.lengths)
 
 
 def pack(
@@ -248,6 +248,7 @@ def pack(
     packing: str = "concat",
     split: str = "the split",
     cache: str | None = None,
+    table=None,
 ) -> Packed:
     """The documents (EOS after each) as (n, seq_len) rows of ids and labels.
 
@@ -262,7 +263,7 @@ def pack(
     than seq_len is cut to it and counted. The padding is a document of its own with no labels."""
     import numpy as np
 
-    table = tokenized(docs, tokenizer, cache)
+    table = tokenized(docs, tokenizer, cache) if table is None else table  # `tokenized`'s, when the caller has it
     eos = tokenizer.eos_token_id
     columns = []
     for name in ("input_ids", "labels"):

@@ -187,7 +187,7 @@ def header(job) -> RunRecord:
             "eval_sequences": int(job.eval.ids.shape[0]),
             "packing": job.train.packing,
             "truncated_documents": job.train.truncated + job.eval.truncated,
-            "packing_efficiency": round(job.train.filled / job.train.ids.numel(), 4),
+            "packing_efficiency": round(job.train.efficiency, 4),
         },
         model=r.spec.summary(),
         batch={

@@ -40,7 +40,12 @@ class Split:
 
     @property
     def packing(self) -> str:
-        return "none" if self.lengths is not None else "concat" if self.positions is None else "document"
+        return data.packing_name(self.positions, self.lengths)
+
+    @property
+    def efficiency(self) -> float:
+        """Real tokens / slots: 1.0 under concat packing."""
+        return self.filled / self.ids.numel()
 
     def batch(self, rows, device: torch.device) -> dict:
         """These rows as the model's inputs: ids and labels, and position ids where each document has its
@@ -165,7 +170,7 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, l
         stage.result = (
             f"{train.ids.shape[0]:,} training and {held_out.ids.shape[0]:,} held-out sequences of "
             f"{'at most ' if train.lengths is not None else ''}{train.ids.shape[1]} tokens, {train.packing} packing "
-            f"({train.filled / train.ids.numel():.0%} of the slots filled)"
+            f"({train.efficiency:.0%} of the slots filled)"
             + (f", {cut:,} document(s) cut to {train.ids.shape[1]} tokens" if cut else "")
             + (" (packed by an earlier run: the same data and tokenizer)" if cached else "")
         )
@@ -205,7 +210,7 @@ def _widest_possible(cfg: C.RunConfig, packing: str) -> C.RunConfig:
     rows of data.max_length, beyond batch.seq_len; `plan --data` finds the run's actual widest."""
     if packing != "none" or cfg.data.max_length <= cfg.batch.seq_len:
         return cfg
-    return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, seq_len=cfg.data.max_length))
+    return cfg.at_seq_len(cfg.data.max_length)
 
 
 def _packed(cfg: C.RunConfig, r: Resolved, documents: tuple, tokenizer: Callable[[], object]) -> tuple:

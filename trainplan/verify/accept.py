@@ -149,7 +149,7 @@ def memory_plan(cfg: C.RunConfig, record) -> object:
     if not _unpacked(cfg) or entry is None or "shapes" not in entry:
         return analytic.plan(cfg)
     width = max(shape[1] for shape in entry["shapes"])
-    return analytic.plan(dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, seq_len=width)))
+    return analytic.plan(cfg.at_seq_len(width))
 
 
 def accept(

@@ -86,10 +86,10 @@ def checkpointed_layer_forward(ctx: RankContext) -> Bytes:
     if not ctx.ckpt.layers or ctx.ckpt.selective or spec.mlp.num_experts:
         return Bytes()
     t, h, cb = ctx.tokens, spec.hidden_size, ctx.cb
+    heads = spec.num_heads // ctx.tp
     n_inter = 3 if spec.mlp.kind == "gated" else 2  # act(gate), up, their product; or fc, act(fc)
     weights = 0
     if act.attention == "eager":  # softmax in fp32, cast back to the query's dtype (fp32 under autocast)
-        heads = spec.num_heads // ctx.tp
         weights = ctx.batch.micro_batch_size * heads * ctx.batch.seq_len**2 * (4 if ctx.autocast else cb)
     mlp = Bytes(
         ("the residual after attention and the MLP's normed input", 2 * t * h * ctx.residual),
@@ -101,7 +101,6 @@ def checkpointed_layer_forward(ctx: RankContext) -> Bytes:
     # packed documents: at SDPA, its copy of the block-causal mask in the query's dtype, beside the
     # query, K and V before and after their repeat to every head, and the output
     q, kv = spec.q_dim // ctx.tp, spec.kv_dim // ctx.tp
-    heads = spec.num_heads // ctx.tp
     sdpa = Bytes(
         ("SDPA's copy of the packed documents' mask", t * ctx.batch.seq_len * cb),
         ("the query, K and V repeated to every head, and the output", 4 * t * q * cb),
