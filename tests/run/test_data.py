@@ -479,6 +479,8 @@ def test_a_run_without_packing_records_its_shapes_and_learns(tiny_run, tmp_path)
     widths = [shape[1] for step in record["steps"] for shape in step["shapes"]]
     assert len(widths) == 3 and max(widths) <= 40 and len(set(widths)) >= 1
     assert record["eval_after"]["loss"] < record["eval_before"]["loss"]
+    with pytest.raises(ConfigError, match=r"^train\.measure_step: is step 4, past the run's 3 steps"):
+        C.load(None, [*base, "train.measure_step=4"])
     with pytest.raises(ConfigError, match=r'^data\.max_length: applies to data\.packing = "none"'):
         C.load(None, [*base, "data.max_length=40"])
 

@@ -232,6 +232,12 @@ class TrainConfig:
         if not (isinstance(self.compile, bool) or self.compile == "auto"):
             raise ConfigError("train.compile", f"unknown value {self.compile!r}", 'use true, false or "auto"')
         _positive_int("train", "measure_step", self.measure_step, minimum=0)
+        if _together() and not self.epochs and self.measure_step > self.steps:
+            raise ConfigError(
+                "train.measure_step",
+                f"is step {self.measure_step}, past the run's {self.steps} steps: nothing would be measured",
+                f"give a step from 1 to {self.steps}, or 0 for the second",
+            )
         for name in ("measure_memory", "fused_loss", "measure_every_step", "largest_batch_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
