@@ -43,13 +43,19 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {line}; see {self.prog} --help\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; `only`: the one command a command line names, whose module alone is imported
+    (the others are bare names, for argparse's choices): `trainplan train` does not import `advise`'s
+    search or `devices`' probes before its first step (issue 47)."""
     from trainplan import __version__
 
     parser = Parser(prog="trainplan", description="Plan, run and verify LLM fine-tuning.", epilog=EXIT_CODES_HELP)
     parser.add_argument("--version", action="version", version=f"trainplan {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
+        if only is not None and name != only:
+            sub.add_parser(name)
+            continue
         module = command(name)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP, epilog=EXIT_CODES_HELP)
         p.register("type", int, ascii_int)  # every type=int / type=float flag reads ASCII digits only
@@ -59,9 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def named_command(argv: list[str]) -> str | None:
+    """The command a command line names, where its first word is one (the top level's own flags,
+    --help and --version, need the whole parser)."""
+    return argv[0] if argv and argv[0] in COMMANDS else None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(named_command(argv)).parse_args(argv)
     except SystemExit as e:  # --help (0), or a flag argparse could not read (2, one line)
         return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     # bitsandbytes' CPU backend warns when peft imports it, about an optional `kernels` package
