@@ -15,8 +15,31 @@ def job(**settings):
 @pytest.mark.parametrize(
     ("settings", "cuda", "field", "what"),
     [
-        ({"parallel.tp": 2, "hardware.gpus": "2xH100-80GB"}, True, "parallel.tp", "tensor/pipeline parallelism"),
-        ({"parallel.pp": 2, "hardware.gpus": "2xH100-80GB"}, True, "parallel.tp", "tensor/pipeline parallelism"),
+        (
+            {"parallel.tp": 2, "mode": "lora", "hardware.gpus": "2xH100-80GB"},
+            True,
+            "parallel.tp",
+            "LoRA under tensor parallelism",
+        ),
+        (
+            {"parallel.tp": 2, "mode": "full", "parallel.strategy": "ddp", "hardware.gpus": "4xH100-80GB"},
+            True,
+            "parallel.strategy",
+            "ddp with tensor parallelism",
+        ),
+        (
+            {"parallel.tp": 2, "mode": "full", "optim.name": "adamw-8bit", "hardware.gpus": "2xH100-80GB"},
+            True,
+            "optim.name",
+            "8-bit AdamW with tensor parallelism",
+        ),
+        (
+            {"parallel.tp": 2, "mode": "full", "train.compile": True, "hardware.gpus": "2xH100-80GB"},
+            True,
+            "train.compile",
+            "torch.compile with tensor parallelism",
+        ),
+        ({"parallel.pp": 2, "hardware.gpus": "2xH100-80GB"}, True, "parallel.pp", "pipeline parallelism"),
         ({"parallel.strategy": "zero2", "hardware.gpus": "2xH100-80GB"}, True, "parallel.strategy", "ZeRO-2"),
         (
             {"optim.name": "adamw-8bit", "parallel.strategy": "zero3", "hardware.gpus": "2xH100-80GB"},
@@ -70,9 +93,18 @@ def test_what_the_engine_runs_passes():
         {"optim.name": "adamw-8bit", "mode": "inference", "hardware.gpus": "H100-80GB"},  # no optimizer
         {"optim.name": "adamw-8bit", "hardware.gpus": "H100-80GB"},  # bitsandbytes' AdamW8bit
         {"optim.name": "adamw-8bit", "parallel.strategy": "ddp", "hardware.gpus": "2xH100-80GB"},
+        {"parallel.tp": 2, "mode": "full", "hardware.gpus": "2xH100-80GB"},  # the tp split alone
+        {"parallel.tp": 2, "mode": "full", "parallel.strategy": "zero3", "hardware.gpus": "4xH100-80GB"},  # 2-D
     ):
         cfg, dims = job(**settings)
-        require_runnable(cfg, dims, max_positions=131072, cuda=True)
+        require_runnable(cfg, dims, max_positions=131072, cuda=True, model_type="llama")
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "gpt2", "mixtral"])
+def test_tensor_parallelism_on_an_architecture_the_engine_does_not_split_is_refused(model_type):
+    cfg, dims = job(**{"parallel.tp": 2, "mode": "full", "hardware.gpus": "2xH100-80GB"})
+    with pytest.raises(NotRunnable, match=f"parallel.tp: the engine splits .* this one is '{model_type}'"):
+        require_runnable(cfg, dims, cuda=True, model_type=model_type)
 
 
 def test_a_sequence_beyond_the_model_context_is_refused():

@@ -243,6 +243,18 @@ def ddp_bucket_bytes(model: torch.nn.Module) -> int:
     return sum(int(x) for x in sizes.split(",") if x.strip())
 
 
+def local_slice(dtensor) -> tuple[slice, ...] | None:
+    """The box of the global tensor this rank's shard of `dtensor` holds (FSDP2, tp), for a loader to
+    copy just those bytes from a memory-mapped file; None where torch maps the placements to none."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as box
+
+    try:
+        shape, offset = box(dtensor.shape, dtensor.device_mesh, dtensor.placements)
+    except (NotImplementedError, AssertionError, RuntimeError):
+        return None
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
 def fsdp_offload_policy(model: torch.nn.Module) -> str | None:
     """The offload policy FSDP2 applied ("CPUOffloadPolicy", or "OffloadPolicy": none), read from its
     first unit that holds parameters; None when the model is not sharded by FSDP2."""

@@ -118,15 +118,19 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
     return r
 
 
-def require_runnable(cfg: C.RunConfig, dims: ParallelDims, *, max_positions: int | None = None, cuda: bool) -> None:
+def require_runnable(
+    cfg: C.RunConfig, dims: ParallelDims, *, max_positions: int | None = None, cuda: bool, model_type: str | None = None
+) -> None:
     """Refuse what `trainplan train` cannot run: each feature's own rule (trainplan/features/), and a
     sequence beyond the model's context. The engine runs data parallelism (DDP, ZeRO-1, FSDP2) with
     torch's optimizers, and QLoRA on CUDA through bitsandbytes without sharding.
 
     dims: the layout as it will run (at data-parallel degree 1 every strategy is "single");
     max_positions: the model's context (a longer sequence is refused); cuda: whether the run has
-    CUDA devices."""
+    CUDA devices; model_type: the architecture (tensor parallelism splits some), where known."""
     features.require_runnable(cfg, dims, cuda=cuda)
+    if model_type is not None and dims.tp > 1:
+        features.tensor_parallel.runnable_model(model_type)
     if max_positions is not None and cfg.batch.seq_len > max_positions and not cfg.model.extend_context:
         raise NotRunnable(
             "batch.seq_len",

@@ -20,6 +20,7 @@ from trainplan.advise.search import (
 from trainplan.plan.ledger import Ledger
 from trainplan.resolve import NotRunnable, require_runnable, resolve
 from trainplan.spec.devices import DeviceSpec, GiB
+from trainplan.spec.model import ModelSpec
 from trainplan.spec.parallel import ParallelDims
 
 SCHEMA = "trainplan.advise/1"
@@ -70,15 +71,21 @@ def train_blocker(s: Search, o: Outcome) -> str:
     """What `trainplan train` would refuse in this entry, in a few words ('' if it runs it): the one
     rule `train` applies itself (trainplan/resolve.py `require_runnable`)."""
     cfg = o.rung.config(s.request.base, 1, s.request.global_batch)
-    return rung_blocker(cfg, o.rung, s.request.spec.max_position_embeddings, s.devices)
+    return rung_blocker(cfg, o.rung, s.request.spec, s.devices)
 
 
-def rung_blocker(cfg: C.RunConfig, r: Rung, max_positions: int, devices: list[DeviceSpec]) -> str:
+def rung_blocker(cfg: C.RunConfig, r: Rung, spec: ModelSpec, devices: list[DeviceSpec]) -> str:
     """train_blocker for a rung's config as it will be written."""
     strategy = r.strategy if r.dp > 1 else "single"
     dims = ParallelDims(world_size=r.dp * r.tp * r.pp, dp=r.dp, tp=r.tp, pp=r.pp, strategy=strategy)
     try:
-        require_runnable(cfg, dims, max_positions=max_positions, cuda=all(d.is_gpu for d in devices))
+        require_runnable(
+            cfg,
+            dims,
+            max_positions=spec.max_position_embeddings,
+            cuda=all(d.is_gpu for d in devices),
+            model_type=spec.model_type,
+        )
     except NotRunnable as e:
         return e.what
     return ""

@@ -305,8 +305,7 @@ def run_maximize(args: argparse.Namespace) -> int:
     if args.global_batch is None:  # one micro-batch per device, as the plain search's default
         req.global_batch *= micro
     m = maximize.maximize(req, args.maximize, micro_batch=micro, fixed_global_batch=args.global_batch is not None)
-    limit = req.spec.max_position_embeddings
-    blockers = {id(x): rung_blocker(x.config, x.rung, limit, m.devices) for x in m.ranked}
+    blockers = {id(x): rung_blocker(x.config, x.rung, req.spec, m.devices) for x in m.ranked}
     if not args.include_unrunnable:  # the rows train runs first, each group in its order
         m.ranked.sort(key=lambda x: bool(blockers[id(x)]))
     top = m.ranked if args.top == 0 else m.ranked[: args.top]

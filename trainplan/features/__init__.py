@@ -33,6 +33,7 @@ from trainplan.features import (
     qlora,
     sharding,
     step_in_backward,
+    tensor_parallel,
     torch_compile,
 )
 
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # a type only: resolve imports this package
 # then the optimizer's, then the model's. The first refusal is the one reported.
 FEATURES = (
     sharding,
+    tensor_parallel,
     optim8bit,
     optimizer_offload,
     qlora,

@@ -371,8 +371,12 @@ def logits_loss_bytes(spec: ModelSpec, ctx: ActContext, head_grad_bytes: int) ->
     "backward" plus "backward_grads" (the weight gradient counted in the gradients row).
     The training loop drops the model output before backward, so compute-dtype logits are gone.
     Gemma-2's final logit soft-capping adds tanh's saved output.
+    Tensor parallelism: the head computes a vocabulary shard and gathers the logits whole on every
+    tp rank (features/tensor_parallel), so the loss holds the whole vocabulary; the gradient lm_head's
+    backward takes is its own shard's.
     """
-    tv = ctx.tokens * -(-spec.vocab_size // ctx.tp)  # vocab-parallel loss shards the vocab
+    tv = ctx.tokens * spec.vocab_size
+    shard = ctx.tokens * -(-spec.vocab_size // ctx.tp)
     cb = ctx.compute_bytes
     shifted_labels = ctx.tokens * 8  # saved by nll_loss
     padded_labels = ctx.batch * (ctx.seq + 1) * 8
@@ -384,14 +388,23 @@ def logits_loss_bytes(spec: ModelSpec, ctx: ActContext, head_grad_bytes: int) ->
         ("the int64 labels, padded and shifted", shifted_labels + padded_labels),
         softcap,
     )
+    if ctx.tp > 1:  # the gather: the shard, the all-gather's stacked buffer and the concatenated logits
+        gather = Bytes(
+            ("the head's vocabulary shard of the logits", shard * cb),
+            ("the all-gather's buffer (the tp shards stacked)", tv * cb),
+            ("the logits gathered whole (the shards side by side)", tv * cb),
+        )
+        fwd = max(fwd, gather)
     loss_bwd = 3 * tv * FP32
-    head_bwd = tv * cb + head_grad_bytes
+    head_bwd = shard * cb + head_grad_bytes
     if loss_bwd >= head_bwd:  # nll_loss's backward has run and released the labels it saved
         three = ("the log-softmax output, its gradient and nll_loss's (3 fp32 tokens x vocab)", loss_bwd)
         return {"forward": fwd, "backward": Bytes(three, softcap), "backward_grads": 0}
     return {
         "forward": fwd,
-        "backward": Bytes(("the logits' gradient", tv * cb)),
+        "backward": Bytes(
+            ("the logits' gradient" + (" (this rank's vocabulary shard)" if ctx.tp > 1 else ""), shard * cb)
+        ),
         "backward_grads": Bytes(("lm_head's weight gradient, formed as backward starts", head_grad_bytes)),
     }
 

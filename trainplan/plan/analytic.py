@@ -344,9 +344,11 @@ def _inference_ledger(
     # the loss (final hidden state, logits, their fp32 upcast and log-softmax, int64 labels).
     inputs = 2 * tokens * 8
     layer = 3 * tokens * h * cb + 3 * tokens * inter * cb
-    vocab = -(-spec.vocab_size // tp)
+    vocab = spec.vocab_size  # tensor parallelism gathers the logits whole (features/tensor_parallel)
     upcast = 4 if cb != 4 else 0  # logits.float() is a no-op on fp32 logits
     loss = tokens * h * cb + tokens * vocab * (cb + upcast + 4) + batch.micro_batch_size * (2 * batch.seq_len + 1) * 8
+    if tp > 1:  # the head's gather: its shard, the all-gather's stacked buffer, the concatenated logits
+        loss = max(loss, tokens * h * cb + tokens * (-(-vocab // tp) + 2 * vocab) * cb)
     if last and loss >= layer:
         transient = Bytes(("the batch's ids and labels", inputs), ("the final hidden state", tokens * h * cb))
         logits = loss - tokens * h * cb
@@ -396,7 +398,11 @@ def runnable(r: Resolved) -> dict:
 
     try:
         require_runnable(
-            r.cfg, r.dims, max_positions=r.spec.max_position_embeddings, cuda=all(d.is_gpu for d in r.devices)
+            r.cfg,
+            r.dims,
+            max_positions=r.spec.max_position_embeddings,
+            cuda=all(d.is_gpu for d in r.devices),
+            model_type=r.spec.model_type,
         )
     except NotRunnable as e:
         return {"ok": False, "why": str(e), "field": e.field}
@@ -501,7 +507,7 @@ def _bill_keys(dims: ParallelDims, devices: tuple[DeviceSpec, ...], training: bo
         stage, dp_i, _ = dims.coords(rank)
         # ZeRO-1's partition is uneven: each data-parallel rank has its own bill
         key = (stage, device, dp_i if dims.partitions_optimizer_by_tensor else 0)
-        if dims.shards_params and device.kind == "cpu" and training:
+        if (dims.shards_params or dims.tp > 1) and device.kind == "cpu" and training:
             key += (rank == 0,)  # saving: the main CPU rank keeps the gathered state dict
         out.append((rank, key))
     return tuple(out)

@@ -46,11 +46,6 @@ def load(ctx: T.RankContext, weights: T.Term, adapter: T.AdapterTerm, buffers: i
     elif ctx.quantized:
         in_flight = ctx.tensors.largest("quantizable", ctx.tp) * prec.frozen_bytes
         note = f"the largest linear in {ctx.dtype(prec.frozen_bytes)} on the device while it is packed to NF4"
-    elif ctx.shards.fsdp and ctx.cfg.model.init != "random":
-        nbytes = _held_bytes(ctx)
-        full = ctx.tensors.largest("held", ctx.tp)
-        in_flight = (full + -(-full // ctx.shards.w)) * nbytes
-        note = "the largest tensor in full on the device, and its shard, while distribute_tensor scatters it"
     elif ctx.shards.fsdp and ctx.r.spec.tie_word_embeddings and ctx.tensors.select("embedding"):
         embedding = ctx.tensors.largest("embedding", ctx.tp)
         in_flight = -(-embedding // ctx.shards.w) * _held_bytes(ctx)
@@ -77,7 +72,7 @@ def forward_working_set(ctx: T.RankContext) -> tuple[int, int, int]:
     layer = 3 * tokens * h * cb + 3 * tokens * inter * cb
     if not ctx.last:
         return inputs, layer, 0
-    vocab = -(-spec.vocab_size // tp)
+    vocab = spec.vocab_size  # tensor parallelism gathers the logits whole (features/tensor_parallel)
     if ctx.fused:  # run/loss.py's chunked head: one chunk's logits at a time, as in training
         head_bytes = cb if ctx.shards.fsdp else _held_bytes(ctx)
         rows = min(ctx.cfg.train.loss_chunk_tokens, tokens)
@@ -86,6 +81,8 @@ def forward_working_set(ctx: T.RankContext) -> tuple[int, int, int]:
         return inputs, layer, tokens * 8 + tokens * h * ctx.residual + cast + chunk + rows * 32
     copy = 4 if cb != 4 or mb > 1 else 0
     loss = tokens * vocab * (cb + copy + 4) + mb * (2 * batch.seq_len + 1) * 8
+    if tp > 1:  # the head's gather: its shard, the all-gather's stacked buffer, the concatenated logits
+        loss = max(loss, tokens * (-(-vocab // tp) + 2 * vocab) * cb)
     return inputs, layer, loss
 
 
@@ -134,13 +131,14 @@ def save(
     """Saving the result: the state after the last step, plus what the strategy gathers."""
     prec = ctx.prec
     gathered, note = 0, "written as it is (from a GPU, copied to the host a tensor at a time)"
-    if ctx.shards.fsdp:
+    if ctx.shards.fsdp or ctx.tp > 1:  # the DTensors are gathered whole (tp's shards too)
         if ctx.full:
-            saved, largest, nbytes = ctx.n_held, ctx.tensors.largest("held", ctx.tp), prec.param_bytes
+            saved, largest, nbytes = ctx.tensors.numel("held", 1), ctx.tensors.largest("held", 1), prec.param_bytes
         else:
             saved, largest, nbytes = T.lora_numel(ctx), T.lora_numel(ctx, largest=True), 4
         largest *= nbytes
-        if ctx.cpu and ctx.shards.w == 1:  # one rank (offload on one device): the full tensors are its own
+        # one rank (offload on one device): the full tensors are its own
+        if ctx.cpu and ctx.shards.w == 1 and ctx.tp == 1:
             note = "one rank: the full state dict is the parameters themselves, on the host already"
         elif ctx.cpu and ctx.rank == 0:
             gathered = saved * nbytes + GATHER_COPIES * largest

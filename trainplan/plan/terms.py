@@ -575,10 +575,9 @@ def logits_loss(ctx: RankContext, grads: GradTerm) -> LossTerm:
     elif ctx.last:
         logits = A.logits_loss_bytes(spec, ctx.act, head_grad)
         note = (
-            f"{tokens} tokens x {spec.vocab_size // ctx.tp:,} vocab: logits in "
-            f"{prec.compute_dtype}, the fp32 upcast for the loss, log-softmax output "
-            "and its gradients"
-        )
+            f"{tokens} tokens x {spec.vocab_size:,} vocab: logits in {prec.compute_dtype}, the fp32 upcast "
+            "for the loss, log-softmax output and its gradients"
+        ) + (f" (the head's logits gathered whole from {ctx.tp} tp ranks' vocabulary shards)" if ctx.tp > 1 else "")
     else:
         logits, note = {"forward": 0, "backward": 0, "backward_grads": 0}, None
     return LossTerm(logits, note)

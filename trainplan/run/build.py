@@ -16,6 +16,7 @@ from trainplan.features.checkpointing import engine as checkpointing
 from trainplan.features.lora import engine as lora
 from trainplan.features.qlora import engine as qlora
 from trainplan.features.sharding import engine as sharding
+from trainplan.features.tensor_parallel import engine as tensor_parallel
 from trainplan.run import loss
 from trainplan.run.converter import Build, dtypes
 from trainplan.spec.layout import causal_lm_type
@@ -68,6 +69,7 @@ CONVERTERS = (
     ("checkpointing", checkpointing.apply),
     ("activation offload", activation_offload.apply),
     ("train mode", _train_mode),
+    ("tensor parallel (the tp split)", tensor_parallel.apply),
     ("sharding (FSDP2, optimizer offload)", sharding.apply),
 )
 
@@ -109,9 +111,12 @@ def allocate(model: nn.Module, device: torch.device | str) -> nn.Module:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     tied = getattr(base.config, "tie_word_embeddings", False)
     head = base.get_output_embeddings() if tied else None
-    # (not under FSDP2, which registered the shared parameter with its units when it sharded them)
-    sharded = any(hasattr(p, "device_mesh") for p in model.parameters())
-    shared = head is not None and not sharded and head.weight is base.get_input_embeddings().weight
+    # (not under FSDP2, which registered the shared parameter with its units when it sharded them;
+    # tensor parallelism's shared DTensor is a parameter like any other)
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = any(isinstance(m, FSDPModule) for m in model.modules())
+    shared = head is not None and not fsdp and head.weight is base.get_input_embeddings().weight
     if shared:
         del head.weight
     if qlora.is_4bit(model):

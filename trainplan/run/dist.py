@@ -16,10 +16,40 @@ from torch import nn
 
 @dataclass(frozen=True)
 class DistEnv:
+    """This process in the job. dp, dp_rank: the data-parallel degree and this rank's replica (the
+    world and the rank until the layout is known, `for_layout`): the tp ranks of one replica see the
+    same batches and compute the same loss, so sums over the data take one rank of each replica."""
+
     rank: int
     world: int
     local_rank: int
     device: torch.device
+    dp: int = 0
+    dp_rank: int = -1
+
+    def __post_init__(self):
+        if self.dp == 0:
+            object.__setattr__(self, "dp", self.world)
+        if self.dp_rank < 0:
+            object.__setattr__(self, "dp_rank", self.rank)
+
+    def for_layout(self, dims) -> DistEnv:
+        """The same process with the layout's data-parallel degree and this rank's replica."""
+        import dataclasses
+
+        return dataclasses.replace(self, dp=dims.dp, dp_rank=dims.coords(self.rank)[1])
+
+    @property
+    def replicas(self) -> int:
+        """How many ranks hold each data-parallel replica's copy of a value (the tp ranks)."""
+        return self.world // self.dp
+
+    def data_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """A per-replica value summed over the data-parallel replicas (once each, not once per tp rank)."""
+        if self.world == 1:
+            return t
+        total = self.all_reduce_sum(t)
+        return total / self.replicas if self.replicas > 1 else total
 
     @property
     def is_main(self) -> bool:
@@ -164,9 +194,13 @@ def wrap(model: nn.Module, dims, env: DistEnv) -> nn.Module:
     return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
 
 
-def mesh(env: DistEnv):
+def mesh(env: DistEnv, dims=None):
+    """The run's device mesh: one axis over every rank, or (dp, tp) named "dp" and "tp" under tensor
+    parallelism (tp innermost, spec/parallel.py's rank order)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    if dims is not None and dims.tp > 1:
+        return init_device_mesh(env.device.type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
     return init_device_mesh(env.device.type, (env.world,))
 
 

@@ -79,6 +79,7 @@ def evaluate(
             loss_sum += ce.double().cpu()
             correct += ((logits.argmax(-1) == target) & mask).sum().double().cpu()
             count += mask.sum().double().cpu()
+            del logits, ce  # not held through the next batch's forward (the tp head's gather is wider)
     reshard(model)
     if all_reduce is not None:
         loss_sum, correct, count = (all_reduce(t) for t in (loss_sum, correct, count))

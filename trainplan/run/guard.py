@@ -186,7 +186,7 @@ class StepGuard:
 
     def __call__(self, loss_t, norm_t, scale: float | None) -> bool:
         env = self.env
-        loss = float(env.all_reduce_sum(loss_t.float().cpu())) if env.world > 1 else float(loss_t)
+        loss = float(env.data_sum(loss_t.float().cpu())) if env.world > 1 else float(loss_t)
         norm = float(full_tensor(norm_t))
         event = self.guard.check(self.step, loss, norm, scale)
         code = float(ACTIONS.index(event["action"]) + 1 if event else 0)

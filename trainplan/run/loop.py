@@ -136,7 +136,7 @@ class Trainer:
             prec=job.resolved.precision,
             device_type=job.env.device.type,
             max_grad_norm=job.cfg.train.max_grad_norm,
-            grad_scale=float(job.env.world),
+            grad_scale=float(job.env.dp),
         )
         self.record.hardware["ran"] = record.as_run(self.model, None, self.settings.prec.compute_dtype)
 
@@ -269,7 +269,7 @@ class Trainer:
         n, b = job.train.ids.shape[0], job.resolved.batch.micro_batch_size
         lengths = job.train.lengths
         order = sorted(range(n), key=lambda i: -int(lengths[i])) if lengths is not None else list(range(n))
-        rows = order[: b * env.world][env.rank :: env.world]
+        rows = order[: b * env.dp][env.dp_rank :: env.dp]
         mb = job.train.batch(rows, env.device)
         meter = measure.step_meter(features.torch_compile.active(job.resolved))(
             self.model, state.optimizer, list(mb.values()), env.device, lora=features.lora.on(job.cfg)
@@ -294,7 +294,7 @@ class Trainer:
             ids += idx
             micro.append(job.train.batch(idx, env.device))
         local_tokens = sum(step.target_tokens(mb) for mb in micro)
-        tokens = int(env.all_reduce_sum(torch.tensor(float(local_tokens)))) if env.world > 1 else local_tokens
+        tokens = int(env.data_sum(torch.tensor(float(local_tokens)))) if env.world > 1 else local_tokens
         lr = state.scheduler.get_last_lr()[0]
         meter = None
         if metered:

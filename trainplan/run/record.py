@@ -221,6 +221,7 @@ def as_run(model: torch.nn.Module, optimizer, compute_dtype: str) -> dict:
     return {
         "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
         "strategy": strategy,
+        "tp": _tp_degree(base),
         "fsdp_offload": _torch_private.fsdp_offload_policy(model),
         "compute_dtype": compute_dtype,
         "trainable_dtypes": dtypes(True),
@@ -229,6 +230,17 @@ def as_run(model: torch.nn.Module, optimizer, compute_dtype: str) -> dict:
         "quantized_4bit_modules": sum(1 for m in base.modules() if type(m).__name__ == "Linear4bit"),
         "checkpointed_layers": sum(1 for m in base.modules() if getattr(m, "gradient_checkpointing", None) is True),
     }
+
+
+def _tp_degree(model: torch.nn.Module) -> int:
+    """The tensor-parallel degree the decoder's projections are split over: the size of the "tp" axis
+    of their DTensors' mesh (1 where none is split)."""
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+        if "tp" in names:
+            return mesh.size(names.index("tp"))
+    return 1
 
 
 def state_hashes(model, optimizer) -> dict:

@@ -111,7 +111,14 @@ def prepare(
     )
     r = resolve(cfg)
     cfg = r.cfg  # as resolved: LoRA target sets expanded to this architecture's module names
-    require_runnable(cfg, r.dims, max_positions=r.spec.max_position_embeddings, cuda=env.device.type == "cuda")
+    env = env.for_layout(r.dims)  # the tp ranks of a replica share its data
+    require_runnable(
+        cfg,
+        r.dims,
+        max_positions=r.spec.max_position_embeddings,
+        cuda=env.device.type == "cuda",
+        model_type=r.spec.model_type,
+    )
     compute = r.precision.compute_dtype
     if env.device.type == "cpu" and compute != "fp32" and env.is_main and not cpu_native_16bit(compute):
         progress.line(
@@ -174,11 +181,12 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, l
             + (f", {cut:,} document(s) cut to {train.ids.shape[1]} tokens" if cut else "")
             + (" (packed by an earlier run: the same data and tokenizer)" if cached else "")
         )
-    per_step = r.batch.micro_batch_size * env.world
+    per_step = r.batch.micro_batch_size * env.dp
+    ranks = "rank(s)" if env.dp == env.world else "replica(s)"  # tp ranks share a replica's batch
     if train.ids.shape[0] < per_step and not cfg.train.overfit_batches:
         raise ConfigError(
             "batch.micro_batch_size",
-            f"{r.batch.micro_batch_size} per rank x {env.world} rank(s) needs {per_step} sequences at once, but the "
+            f"{r.batch.micro_batch_size} per rank x {env.dp} {ranks} needs {per_step} sequences at once, but the "
             f"training split packs to {train.ids.shape[0]} of {r.batch.seq_len} tokens: samples would repeat "
             "within a batch",
             "lower batch.micro_batch_size or batch.seq_len, or add data",
@@ -186,7 +194,7 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, l
     if cfg.train.epochs:
         steps = data.steps_for_epochs(cfg.train.epochs, train.ids.shape[0], r.batch.global_batch_size)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
-    mesh = dist.mesh(env) if r.dims.shards_params else None
+    mesh = dist.mesh(env, r.dims) if r.dims.shards_params or features.tensor_parallel.active(r) else None
     meter = measure.PhaseMeter(env.device) if cfg.train.measure_memory else None
     with progress.stage("load weights", cfg.model.source), meter or contextlib.nullcontext():
         model = weights.load_model(cfg, r.spec, r.precision, env.device, dims=r.dims if mesh else None, mesh=mesh)
@@ -329,10 +337,10 @@ def train_state(job: Job, model: torch.nn.Module) -> TrainState:
         sampler=data.StatefulSampler(
             job.train.ids.shape[0],
             seed=cfg.train.seed,
-            rank=env.rank,
-            world=env.world,
+            rank=env.dp_rank,
+            world=env.dp,
             lengths=job.train.lengths if cfg.data.group_by_length else None,
-            group=job.resolved.batch.micro_batch_size * env.world * data.GROUP_MEGABATCH,
+            group=job.resolved.batch.micro_batch_size * env.dp * data.GROUP_MEGABATCH,
         ),
         guard=guard.Guard(cfg.guard, scaler=scaler is not None),
     )

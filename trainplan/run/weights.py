@@ -301,12 +301,19 @@ def _load_one(handle: SafetensorsFile, name: str, tensor: torch.Tensor) -> None:
             f"model.source: {name} has shape {handle.shape(name)}, expected {tuple(tensor.shape)}; "
             "the weights belong to another model"
         )
+    box = P.local_slice(tensor) if isinstance(tensor, DTensor) else None
     with warnings.catch_warnings(), P.untracked():  # read-only file bytes: no allocation of torch's
         warnings.simplefilter("ignore", UserWarning)
         src = handle.tensor(name)
-    if isinstance(tensor, DTensor):  # FSDP2 shard: keep this rank's slice of the full tensor
-        mesh = tensor.device_mesh
-        shard = distribute_tensor(src.to(mesh.device_type, tensor.dtype), mesh, tensor.placements).to_local()
+        part = src[box] if box is not None else None  # an FSDP2 or tp shard: this rank's box of it
+    if isinstance(tensor, DTensor):
+        local = tensor.to_local()
+        if part is not None and tuple(local.shape) == tuple(part.shape):
+            local.copy_(part)  # straight from the mapped bytes: no collective, no whole copy
+            return
+        mesh = tensor.device_mesh  # every rank reads the whole file: each cuts its own (src_data_rank None)
+        whole = src.to(mesh.device_type, tensor.dtype)
+        shard = distribute_tensor(whole, mesh, tensor.placements, src_data_rank=None).to_local()
         tensor.to_local().copy_(shard)  # the local shard is in host memory under CPUOffloadPolicy
     else:
         tensor.copy_(src)

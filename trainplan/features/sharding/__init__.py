@@ -1,6 +1,7 @@
-"""The parallel layout: data parallelism (DDP, ZeRO-1/2/3, FSDP2) and, planned only so far, tensor and
-pipeline parallelism. What each strategy shards is spec/parallel.py's ParallelDims, the one validated
-object the plan and the engine share; this module holds what the engine and the trace cover of it."""
+"""The parallel layout: data parallelism (DDP, ZeRO-1/2/3, FSDP2) and, planned only so far, pipeline
+parallelism (tensor parallelism is features/tensor_parallel). What each strategy shards is
+spec/parallel.py's ParallelDims, the one validated object the plan and the engine share; this module
+holds what the engine and the trace cover of it."""
 
 from __future__ import annotations
 
@@ -30,12 +31,13 @@ def refuse(r: Resolved) -> None:
 
 
 def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
-    if model_parallel(dims):
+    if dims.pp > 1:
         raise NotRunnable(
-            "parallel.tp",
-            "the training engine runs data parallelism (DDP, ZeRO-1, FSDP2) only",
-            "set parallel.tp = 1 and parallel.pp = 1 for `trainplan train`",
-            what="tensor/pipeline parallelism",
+            "parallel.pp",
+            "the training engine runs data and tensor parallelism (DDP, ZeRO-1, FSDP2, tp); pipeline stages "
+            "are planned, not run",
+            "set parallel.pp = 1 for `trainplan train`",
+            what="pipeline parallelism",
         )
     if dims.keeps_grad_partition:
         raise NotRunnable(
@@ -47,9 +49,8 @@ def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
 
 
 def untraceable(r: Resolved) -> str | None:
-    if model_parallel(r.dims):
+    if r.dims.pp > 1:
         return (
-            "parallel.tp/pp: the trace covers data parallelism (DDP, ZeRO, FSDP) only; "
-            "use `trainplan plan` for tensor and pipeline parallelism"
+            "parallel.pp: the trace covers data and tensor parallelism only; use `trainplan plan` for pipeline stages"
         )
     return None

@@ -25,6 +25,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, prec: Precision, mesh) -> n
     on_host = optimizer_offload.on_host(dims)
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if on_host else OffloadPolicy()
     reshard = dims.reshard_after_forward
+    mesh = mesh["dp"] if mesh.ndim > 1 else mesh  # 2-D: FSDP2 over the data-parallel axis of (dp, tp)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)

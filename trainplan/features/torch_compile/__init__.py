@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainplan.errors import ConfigError
+from trainplan.errors import ConfigError, NotRunnable
 from trainplan.features import activation_offload
 
 if TYPE_CHECKING:
@@ -16,10 +16,12 @@ if TYPE_CHECKING:
 
 def active(r: Resolved) -> bool:
     """train.compile resolved: "auto" compiles a training run on GPUs, but not beside activation offload,
-    whose hooks need the eager layers' saved tensors."""
+    whose hooks need the eager layers' saved tensors, nor a tensor- or pipeline-parallel one (the plan
+    has no compiled terms for their layers; an explicit true is refused there)."""
     setting = r.cfg.train.compile
     if setting == "auto":
-        return r.training and all(d.is_gpu for d in r.devices) and not activation_offload.on(r.cfg)
+        eager_only = activation_offload.on(r.cfg) or r.dims.tp > 1 or r.dims.pp > 1
+        return r.training and all(d.is_gpu for d in r.devices) and not eager_only
     return setting
 
 
@@ -34,7 +36,14 @@ def refuse(r: Resolved) -> None:
 
 
 def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
-    """The engine compiles under every strategy it runs."""
+    """The engine compiles under every data-parallel strategy it runs, not the tp split."""
+    if cfg.train.compile is True and dims.tp > 1:
+        raise NotRunnable(
+            "train.compile",
+            "torch.compile under tensor parallelism is planned, and the engine does not run the two together",
+            'set train.compile = false (or "auto") with parallel.tp, or parallel.tp = 1',
+            what="torch.compile with tensor parallelism",
+        )
 
 
 def untraceable(r: Resolved) -> str | None:

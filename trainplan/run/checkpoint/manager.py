@@ -94,7 +94,8 @@ class CheckpointManager:
         self.root = checkpoint_root(cfg)
         # FSDP2 strategies write DCP shards, readable at any world size. The configured strategy
         # decides, not this world's layout: a zero3 run on one process ("single") writes DCP too.
-        self.sharded = cfg.parallel.strategy in PARAM_SHARDING_STRATEGIES
+        # Tensor parallelism's DTensors too (DCP reads them back on another tp).
+        self.sharded = cfg.parallel.strategy in PARAM_SHARDING_STRATEGIES or r.dims.tp > 1
         self.last: Path | None = None
         self.last_step, self.last_sampler = 0, None  # the step and data position `last` holds
         self.rolled_back_to: Path | None = None  # the previous rollback's checkpoint

@@ -1,0 +1,95 @@
+"""Tensor parallelism (parallel.tp): Megatron's split of every decoder layer across the tp ranks of a
+data-parallel replica. The attention's q/k/v and the MLP's gate/up projections are split by output
+(column-wise), o and down by input (row-wise, one all-reduce each), so a rank holds 1/tp of the heads
+and of the intermediate width; the embedding is split by vocabulary; the head is split by vocabulary
+and its logits are gathered whole on every tp rank for the loss (torchtitan's layout with its
+vocabulary-parallel loss turned off); the norms are replicated. Alone, or 2-D under FSDP2 on the
+data-parallel axis of a (dp, tp) mesh."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from trainplan.errors import NotRunnable
+from trainplan.features import activation_offload, optim8bit, optimizer_offload, step_in_backward
+
+if TYPE_CHECKING:
+    from trainplan.config import RunConfig
+    from trainplan.resolve import Resolved
+    from trainplan.spec.parallel import ParallelDims
+
+# The architectures whose decoder layers the engine splits: separate q/k/v/o and gate/up/down
+# projections with these names, heads reshaped from the projection's own width (so a rank's share of
+# the heads needs no change to the attention code). Phi-3's fused qkv_proj and gate_up_proj would be
+# split across their parts; GPT-2's Conv1D is not a Linear; a mixture of experts is not split yet.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROW = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def on(cfg: RunConfig) -> bool:
+    return cfg.parallel.tp > 1
+
+
+def active(r: Resolved) -> bool:
+    return r.dims.tp > 1
+
+
+def refuse(r: Resolved) -> None:
+    """ParallelDims refuses a tp that does not divide the world or the heads (spec/parallel.py)."""
+
+
+def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
+    if dims.tp == 1:
+        return
+    if cfg.mode not in ("full", "inference"):
+        raise NotRunnable(
+            "parallel.tp",
+            f"mode {cfg.mode!r} under tensor parallelism: the adapters are planned split with their base layers, "
+            "and the engine does not split them yet",
+            'use mode = "full" with parallel.tp, or parallel.tp = 1 with LoRA (FSDP2 shards the frozen base)',
+            what="LoRA under tensor parallelism",
+        )
+    # what the engine has not run beside the tp split: each refused by name
+    untried = [
+        ("optim.name", "8-bit AdamW (bitsandbytes' states are not DTensors)", optim8bit.on(cfg)),
+        ("parallel.offload_optimizer", "optimizer offload", optimizer_offload.on(cfg)),
+        ("memory.offload_activations", "activation offload", activation_offload.on(cfg)),
+        ("train.step_in_backward", "the optimizer step in backward", step_in_backward.on(cfg)),
+    ]
+    for field, what, on_ in untried:
+        if on_:
+            raise NotRunnable(
+                field,
+                f"{what} under tensor parallelism is planned, and the engine does not run the two together",
+                f"turn {field} off with parallel.tp, or set parallel.tp = 1",
+                what=f"{what.split(' (')[0]} with tensor parallelism",
+            )
+    if dims.dp > 1 and not dims.shards_params:
+        raise NotRunnable(
+            "parallel.strategy",
+            f"{dims.strategy} replicates the model over the data-parallel ranks, and the engine runs tensor "
+            "parallelism 2-D under FSDP2 only",
+            'set parallel.strategy = "zero3" (or "fsdp-grad-op") with parallel.tp',
+            what=f"{dims.strategy} with tensor parallelism",
+        )
+
+
+def runnable_model(model_type: str) -> None:
+    """The architectures the engine splits (MODEL_TYPES), asked once the model's type is known."""
+    if model_type not in MODEL_TYPES:
+        raise NotRunnable(
+            "parallel.tp",
+            f"the engine splits the decoder layers of {', '.join(MODEL_TYPES)} models; this one is {model_type!r}",
+            'set parallel.tp = 1 (FSDP2, parallel.strategy = "zero3", shards any model)',
+            what=f"tensor parallelism on {model_type}",
+        )
+
+
+def untraceable(r: Resolved) -> str | None:
+    if r.dims.tp > 1:
+        return (
+            "parallel.tp: the trace runs one rank's model on fake tensors without a process group, and a "
+            "tensor-parallel layer needs its peers; use `trainplan plan` (measured by `trainplan accept`)"
+        )
+    return None

@@ -1,0 +1,75 @@
+"""Tensor parallelism in the engine: torch's DTensor tensor-parallel styles (parallelize_module) on each
+decoder layer, the embedding, the norms and the head, on the mesh's "tp" axis. Applied to the meta
+model before FSDP2 (run/build.py CONVERTERS), so a 2-D run shards the tp shards over "dp"."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from trainplan.features import tensor_parallel
+from trainplan.run.converter import Build, decoder_layers
+
+
+def tp_mesh(mesh):
+    """The tensor-parallel axis of the run's mesh (run/dist.py `mesh`)."""
+    return mesh["tp"] if mesh.ndim > 1 else mesh
+
+
+def replicated():
+    """A module whose parameters are replicated over the tp ranks (a norm): its parameters become
+    Replicate DTensors, its input a Replicate DTensor of the (identical) local activation and its
+    output the local tensor again. Every parameter of a tp run is then a DTensor on one mesh, which
+    gradient clipping's total norm and the optimizer's foreach kernels need (torchtitan's NoParallel)."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class Replicated(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            def inputs(_, args, mesh):
+                return tuple(
+                    DTensor.from_local(a, mesh, (Replicate(),), run_check=False) if _plain(a) else a for a in args
+                )
+
+            def outputs(_, out, mesh):
+                return out.to_local() if isinstance(out, DTensor) else out
+
+            return distribute_module(module, device_mesh, input_fn=inputs, output_fn=outputs)
+
+    return Replicated()
+
+
+def _plain(x) -> bool:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+
+
+def parallelize(model: nn.Module, mesh) -> nn.Module:
+    """Split `model` (a causal LM of tensor_parallel.MODEL_TYPES, on the meta device) over `mesh`'s tp axis."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = tp_mesh(mesh)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    for layer in decoder_layers(model):
+        plan = {name: ColwiseParallel() for name in tensor_parallel.COLUMN}
+        plan |= {name: RowwiseParallel() for name in tensor_parallel.ROW}
+        for name, module in layer.named_modules():
+            if name and not isinstance(module, nn.Linear) and list(module.parameters(recurse=False)):
+                plan[name] = replicated()  # the norms (Qwen3's per-head q/k norms too)
+        parallelize_module(layer, mesh, plan)
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    parallelize_module(base, mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate()), "norm": replicated()})
+    # the head's vocabulary shard, its logits gathered whole for the loss (the plan's "gathered logits")
+    parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    if tied:  # one Shard(0) parameter for both: the embedding's vocabulary split is the head's
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    return model
+
+
+def apply(model: nn.Module, b: Build) -> nn.Module:
+    """The engine's converter: the tp split where parallel.tp > 1."""
+    if b.dims is not None and b.dims.tp > 1:
+        return parallelize(model, b.mesh)
+    return model
