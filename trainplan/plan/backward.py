@@ -41,7 +41,12 @@ def backward_moments(
             "the root unit gathered again as backward starts: its all-gather buffer and its parameters",
             2 * ctx.shards.root_numel * ctx.cb,
         )
-        candidates.append(start.with_(weight_copies=Bytes(root)))
+        if ctx.fused or not ctx.last:
+            candidates.append(start.with_(weight_copies=Bytes(root)))
+        else:  # the unfused loss returns the loss from the model: the gather runs before the loss's backward,
+            # beside what its forward saved (the log-softmax output), not its three backward buffers
+            saved = ("the log-softmax output (fp32), saved for backward", ctx.tokens * ctx.spec.vocab_size * 4)
+            candidates.append(start.with_(weight_copies=Bytes(root), logits_loss=Bytes(saved)))
     if ctx.fused and ctx.layers and ctx.ckpt.layers < len(ctx.layers):  # the top layer is not checkpointed
         top_layer = _top_layer_mlp_backward(ctx, start, end, adapter, grads, acts)
         candidates += [top_layer, _final_norm_backward(ctx, start, top_layer, adapter, grads, acts)]
@@ -100,7 +105,9 @@ def _fsdp_root_reduce(ctx: RankContext, start: PhaseBill, grads: GradTerm, acts:
     once (measured on the trace: Llama-3.1-8B, 8 ranks, 6.3 GB). With checkpointing, or wherever
     the vocabulary is large beside a layer, this moment is the backward peak."""
     root_shard = ctx.shards.root_numel * ctx.prec.grad_bytes // ctx.shards.g
+    unfused = {} if ctx.fused else {"logits_loss": 0}  # the unfused loss's buffers went with its backward
     return start.with_(
+        **unfused,
         weight_copies=0,
         gradients=Bytes(
             grads.nbytes, ("less the root unit's shard, not yet reduced", -root_shard * (not ctx.persistent_grads))

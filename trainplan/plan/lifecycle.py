@@ -58,12 +58,14 @@ def load(ctx: T.RankContext, weights: T.Term, adapter: T.AdapterTerm, buffers: i
     return phase, note
 
 
-def forward_working_set(ctx: T.RankContext) -> tuple[int, int, int]:
+def forward_working_set(ctx: T.RankContext) -> tuple[int, int, int, int]:
     """A forward that saves nothing (inference_mode or no_grad): (inputs, widest layer's working
     set, loss moment). The layer: residual, normed input, the MLP's gate, up and activation. The
     loss through the chunked head: the shifted targets, the final hidden state, the head's
     compute-dtype copy and one chunk's logits. Otherwise: logits, their fp32 copy (none when
-    already fp32, but then reshape copies a strided slice), log-softmax, and the labels."""
+    already fp32, but then reshape copies a strided slice), log-softmax, and the labels. The fourth:
+    tensor parallelism's gather of the logits inside the head (its shard, the all-gather's stacked
+    buffer, the concatenated logits), 0 without it."""
     spec, batch, cb, tp = ctx.spec, ctx.batch, ctx.cb, ctx.tp
     mb = batch.micro_batch_size
     tokens = mb * batch.seq_len
@@ -71,19 +73,18 @@ def forward_working_set(ctx: T.RankContext) -> tuple[int, int, int]:
     h, inter = spec.hidden_size, spec.intermediate_size // tp
     layer = 3 * tokens * h * cb + 3 * tokens * inter * cb
     if not ctx.last:
-        return inputs, layer, 0
+        return inputs, layer, 0, 0
     vocab = spec.vocab_size  # tensor parallelism gathers the logits whole (features/tensor_parallel)
     if ctx.fused:  # run/loss.py's chunked head: one chunk's logits at a time, as in training
         head_bytes = cb if ctx.shards.fsdp else _held_bytes(ctx)
         rows = min(ctx.cfg.train.loss_chunk_tokens, tokens)
         cast = vocab * h * cb if head_bytes != cb else 0
         chunk = rows * vocab * (4 + (cb if cb != 4 else 0)) + (rows * h * cb if ctx.residual != cb else 0)
-        return inputs, layer, tokens * 8 + tokens * h * ctx.residual + cast + chunk + rows * 32
+        return inputs, layer, tokens * 8 + tokens * h * ctx.residual + cast + chunk + rows * 32, 0
     copy = 4 if cb != 4 or mb > 1 else 0
     loss = tokens * vocab * (cb + copy + 4) + mb * (2 * batch.seq_len + 1) * 8
-    if tp > 1:  # the head's gather: its shard, the all-gather's stacked buffer, the concatenated logits
-        loss = max(loss, tokens * (-(-vocab // tp) + 2 * vocab) * cb)
-    return inputs, layer, loss
+    gather = tokens * (-(-vocab // tp) + 2 * vocab) * cb if tp > 1 else 0
+    return inputs, layer, loss, gather
 
 
 def evaluate(
@@ -97,10 +98,17 @@ def evaluate(
     comm: T.CommTerm,
 ) -> tuple[dict[str, int], str]:
     """Evaluation between or after training steps."""
-    inputs, layer, loss = forward_working_set(ctx)
+    inputs, layer, loss, gather = forward_working_set(ctx)
+    copies_at_loss = copies.nbytes
+    if ctx.shards.fsdp and ctx.dims.reshard_after_forward and not ctx.fused:
+        # the loss is taken outside the model's no_grad forward, after FSDP2 resharded its root unit: the
+        # loss moment holds no gathered copy; the tp head's gather, inside the forward, does
+        copies_at_loss = 0
+    if gather + copies.nbytes > loss + copies_at_loss:
+        loss, copies_at_loss = gather, copies.nbytes
     phase = {
         "weights": weights.nbytes,
-        "weight_copies": copies.nbytes,
+        "weight_copies": copies.nbytes if loss < layer else copies_at_loss,
         "adapter": adapter.live,
         "gradients": _between_steps(ctx, grads),
         "optimizer": opt.states,
@@ -151,6 +159,9 @@ def save(
             note = f"each tensor gathered in full, one at a time, {GATHER_COPIES} buffers of it at once" + (
                 "" if ctx.cpu else ", then copied to the host"
             )
+        if ctx.shards.fsdp and ctx.tp > 1 and gathered:  # 2-D: over dp first, then tp
+            gathered += largest // ctx.tp
+            note += "; 2-D, gathered over dp first: its tp shard held meanwhile"
     phase = {
         "weights": weights.nbytes,
         "weight_copies": Bytes((f"saving: {note}", gathered)),
