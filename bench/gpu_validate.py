@@ -139,12 +139,17 @@ MATRIX = [
     ("Llama-3.2-3B", "full", "amp-bf16", 4, 4864, False, (OFF,)),
     ("Llama-3.2-1B", "full", "amp-bf16", 8, 6912, False),
     ("Llama-3.2-1B", "full", "amp-bf16", 8, 6912, False, (OFF,)),
+    # issue 36: tensor parallelism, rank 0 of tp 2 on the one GPU with its peer faked (torch's fake process
+    # group: every collective's output is allocated as a real one's, nothing is sent), against the plan's
+    # rank 0 of 2 devices of this kind. Fits one H200 by the plan; the head's gathered logits at s4096.
+    ("Llama-3.1-8B", "full", "bf16", 1, 4096, True, ("parallel.tp=2",)),
 ]
 SMOKE_MODEL = preset_config("tiny-llama")  # the tiny Llama of `trainplan devices`' determinism check
 SMOKE_MATRIX = [
     ("tiny-llama", "full", "fp32", 2, 32, False),
     ("tiny-llama", "lora", "fp32", 2, 32, True),
     ("tiny-llama", "full", "fp32", 2, 32, False, ("memory.offload_activations=true",)),  # the hooks count on the CPU
+    ("tiny-llama", "full", "fp32", 2, 32, False, ("parallel.tp=2",)),  # rank 0 of tp 2, its peer faked
 ]
 
 
@@ -164,6 +169,9 @@ def row_settings(row, model_source: str, gpus: str) -> list[str]:
     from trainplan.config import toml_literal
 
     _, mode, precision, micro, seq, ac, extra = unpack(row)
+    tp = next((int(x.split("=")[1]) for x in extra if x.startswith("parallel.tp=")), 1)
+    if tp > 1:  # the plan's world: tp devices of this kind (the row measures rank 0, its peers faked)
+        gpus = f"{tp}x{gpus}"
     return [
         f"model.source={toml_literal(model_source)}",
         f"mode={toml_literal(mode)}",
@@ -240,10 +248,15 @@ def measure_row(cfg, r, device, steps: int, snapshot: Path | None = None) -> dic
     """Run `steps` steps of trainplan's own step: step 2 measured per phase, later ones timed.
     Optimizer offload runs as `train` runs it on one GPU: FSDP2 over a one-rank mesh, parameters and
     the optimizer step on the host."""
+    from trainplan import _torch_private as P
     from trainplan import features
     from trainplan.run import dist
 
     env = dist.DistEnv(rank=0, world=1, local_rank=device.index or 0, device=device)
+    if r.dims.tp > 1:  # rank 0 of the tp split, its peers faked: a collective allocates, sends nothing
+        with P.fake_process_group(r.dims.world_size):
+            env = dist.DistEnv(rank=0, world=r.dims.world_size, local_rank=device.index or 0, device=device)
+            return _measure(cfg, r, device, steps, mesh=dist.mesh(env, r.dims), snapshot=snapshot)
     host = features.optimizer_offload.on_host(r.dims)
     if host:
         dist.join_alone(env)
@@ -270,7 +283,10 @@ def _measure(cfg, r, device, steps: int, *, mesh, snapshot: Path | None = None) 
     if recording:  # --snapshot: every allocation and free of the row, with its stack (memory_viz reads it)
         torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     torch.manual_seed(0)
-    if mesh is not None:
+    host = features.optimizer_offload.on_host(r.dims)
+    if mesh is not None and not host:  # tensor parallelism: the split built on meta, materialized on the device
+        model = build.materialize(build.build_model(r.spec, cfg, r.precision, dims=r.dims, mesh=mesh), device)
+    elif mesh is not None:
         model = build.build_model(r.spec, cfg, r.precision, dims=r.dims, mesh=mesh)
         model = build.buffers_to(build.materialize(model, "cpu"), device)
     else:
@@ -284,7 +300,7 @@ def _measure(cfg, r, device, steps: int, *, mesh, snapshot: Path | None = None) 
     optimizer = None
     if not inference:
         o = cfg.optim
-        where = "cpu" if mesh is not None else device.type  # offload: the step runs on the host's parameters
+        where = "cpu" if host else device.type  # offload: the step runs on the host's parameters
         optimizer = step.build_optimizer(
             model, o.name, o.implementation, o.lr, o.weight_decay, where, in_backward=o.step_in_backward
         )

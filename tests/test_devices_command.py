@@ -170,10 +170,13 @@ def test_gpu_validate_smoke_run_writes_the_results(tmp_path):
     assert doc["schema"] == "trainplan.gpu_validate/1" and doc["kind"] == "smoke"
     assert {"versions", "devices", "targets", "rows", "summary", "elapsed_s"} <= set(doc)
     assert doc["devices"]["passed"] is True and doc["targets"] == {"allocated": 0.03, "reserved": 0.05}
-    assert [row["config"]["mode"] for row in doc["rows"]] == ["full", "lora", "full"]
+    assert [row["config"]["mode"] for row in doc["rows"]] == ["full", "lora", "full", "full"]
     moved = doc["rows"][2]["measured"]  # activation offload: the hooks' bytes as planned
     assert moved["offloaded_activation_bytes"] > 0 and moved["offloaded_vs_plan"] == 0
-    for row in doc["rows"]:
+    tp = doc["rows"][3]  # rank 0 of tp 2, its peer faked: the analytic plan's rank 0, no trace (refused)
+    assert tp["status"] == "ok" and tp["targets_met"]["analytic_allocated"] is True
+    assert "parallel.tp" in tp["plan"]["traced"]["error"] and "hardware.gpus=\"2xcpu\"" in tp["settings"]
+    for row in doc["rows"][:3]:
         assert row["status"] == "ok", row
         assert {"plan", "measured", "errors", "targets_met", "throughput", "hf"} <= set(row)
         assert row["plan"]["analytic"]["peak_bytes"] > 0 and row["plan"]["traced"]["peak_bytes"] > 0
@@ -187,6 +190,6 @@ def test_gpu_validate_smoke_run_writes_the_results(tmp_path):
     lora = doc["rows"][1]
     assert lora["hf"]["tokens_per_s"] > 0 and lora["hf"]["ratio_trainplan_over_hf"] > 0
     assert doc["rows"][0]["hf"] is None
-    assert doc["summary"]["ok"] == 3 and doc["summary"]["analytic_allocated"] == "3/3"
+    assert doc["summary"]["ok"] == 4 and doc["summary"]["analytic_allocated"] == "4/4"
     tail = r.stdout.strip().splitlines()
-    assert tail[-5].startswith("row ") and "3/3 rows ran" in tail[-1]  # the table is printed last
+    assert tail[-6].startswith("row ") and "4/4 rows ran" in tail[-1]  # the table is printed last
