@@ -16,10 +16,10 @@ def job(**settings):
     ("settings", "cuda", "field", "what"),
     [
         (
-            {"parallel.tp": 2, "mode": "lora", "hardware.gpus": "2xH100-80GB"},
+            {"parallel.tp": 2, "mode": "qlora", "hardware.gpus": "2xH100-80GB"},
             True,
             "parallel.tp",
-            "LoRA under tensor parallelism",
+            "QLoRA under tensor parallelism",
         ),
         (
             {"parallel.tp": 2, "mode": "full", "parallel.strategy": "ddp", "hardware.gpus": "4xH100-80GB"},
@@ -94,6 +94,7 @@ def test_what_the_engine_runs_passes():
         {"optim.name": "adamw-8bit", "hardware.gpus": "H100-80GB"},  # bitsandbytes' AdamW8bit
         {"optim.name": "adamw-8bit", "parallel.strategy": "ddp", "hardware.gpus": "2xH100-80GB"},
         {"parallel.tp": 2, "mode": "full", "hardware.gpus": "2xH100-80GB"},  # the tp split alone
+        {"parallel.tp": 2, "mode": "lora", "hardware.gpus": "2xH100-80GB"},  # the adapters split with their base
         {"parallel.tp": 2, "mode": "full", "parallel.strategy": "zero3", "hardware.gpus": "4xH100-80GB"},  # 2-D
     ):
         cfg, dims = job(**settings)

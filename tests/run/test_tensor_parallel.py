@@ -60,6 +60,22 @@ def test_tp2_reproduces_one_process_and_each_rank_meets_its_plan(tiny_run, tmp_p
     assert len(per_rank) == 2 and all(m["placement"]["cpu"]["sharded"] > 0 for m in per_rank)
 
 
+def test_lora_under_tp2_reproduces_one_process_and_each_rank_meets_its_plan(tiny_run, tmp_path):
+    """LoRA beside the split: A whole and B split by output on q/k/v/gate/up, A split by input and B whole
+    on o/down; the adapters start as one process's (the whole matrix drawn, each rank's box kept), so
+    the losses are one process's; the frozen base stays frozen and each rank meets its plan."""
+    lora = ["mode=lora", "lora.dropout=0.0", 'lora.target_modules=["all-linear"]', "batch.micro_batch_size=4"]
+    one = execute(C.load(None, [*pretrained(tiny_run, *lora), f"train.output_dir={tmp_path / 'one'}"]), quiet=True)
+    ref = one[0].to_json()
+    record = torchrun(tmp_path / "tp", pretrained(tiny_run, *lora, "parallel.tp=2"))
+    ran = record["hardware"]["ran"]
+    assert (ran["tp"], ran["lora_modules"]) == (2, ref["hardware"]["ran"]["lora_modules"]) and ran["lora_modules"] > 0
+    assert record["contract"]["passed"], record["contract"]["detail"]  # the base unchanged, the adapters trained
+    assert [s["loss"] for s in record["steps"]] == pytest.approx([s["loss"] for s in ref["steps"]], rel=1e-5)
+    check = checks.check_memory(RunRecord.from_json(record), analytic.plan(C.from_dict(record["config"])), 0.05)
+    assert check.passed, check.summary
+
+
 def test_2d_fsdp2_over_tp_on_four_ranks_reproduces_one_process_and_meets_each_ranks_plan(
     tiny_run, tmp_path, one_process
 ):

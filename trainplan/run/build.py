@@ -130,6 +130,25 @@ def allocate(model: nn.Module, device: torch.device | str) -> nn.Module:
     return model
 
 
+def _init_adapter(p: nn.Parameter, generator: torch.Generator, *, zero: bool) -> None:
+    """PEFT's init of one adapter matrix (A Kaiming-uniform, B zero), the same whatever the layout: the
+    whole matrix is drawn on the host from the adapters' own generator (seeded by the run's seed, so
+    neither the base's init nor the device changes it) and a sharded parameter (FSDP2, tp) keeps its
+    own box. A tp or FSDP2 run starts from the adapters one process starts from."""
+    from trainplan import _torch_private as P
+
+    if zero or P.is_fake(p):  # the trace's fake tensors: any values
+        nn.init.zeros_(p) if zero else nn.init.kaiming_uniform_(p, a=5**0.5)
+        return
+    whole = torch.empty(p.shape, dtype=p.dtype)
+    nn.init.kaiming_uniform_(whole, a=5**0.5, generator=generator)
+    if hasattr(p, "device_mesh"):
+        box = P.local_slice(p)
+        p.to_local().copy_(whole[box] if box is not None else whole)
+    else:
+        p.copy_(whole)
+
+
 def materialize(model: nn.Module, device: torch.device | str, *, quantize: bool = True) -> nn.Module:
     """Allocate the meta model on `device` and initialize it (weights, rotary buffers).
 
@@ -139,9 +158,10 @@ def materialize(model: nn.Module, device: torch.device | str, *, quantize: bool 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     with torch.no_grad():
         base.init_weights()
+        adapters = torch.Generator().manual_seed(torch.initial_seed())
         for name, p in model.named_parameters():
             if "lora_" in name:  # PEFT's own init: A random, B zero
-                nn.init.zeros_(p) if "lora_B" in name else nn.init.kaiming_uniform_(p, a=5**0.5)
+                _init_adapter(p, adapters, zero="lora_B" in name)
     if quantize and qlora.is_4bit(model):
         qlora.quantize(model, device)
     return model

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainplan.errors import NotRunnable
-from trainplan.features import activation_offload, optim8bit, optimizer_offload, step_in_backward
+from trainplan.features import activation_offload, optim8bit, optimizer_offload, qlora, step_in_backward
 
 if TYPE_CHECKING:
     from trainplan.config import RunConfig
@@ -42,13 +42,12 @@ def refuse(r: Resolved) -> None:
 def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
     if dims.tp == 1:
         return
-    if cfg.mode not in ("full", "inference"):
+    if qlora.on(cfg):
         raise NotRunnable(
             "parallel.tp",
-            f"mode {cfg.mode!r} under tensor parallelism: the adapters are planned split with their base layers, "
-            "and the engine does not split them yet",
-            'use mode = "full" with parallel.tp, or parallel.tp = 1 with LoRA (FSDP2 shards the frozen base)',
-            what="LoRA under tensor parallelism",
+            "QLoRA's 4-bit base layers (bitsandbytes) are not DTensors, so tensor parallelism cannot split them",
+            'use mode = "lora" with parallel.tp, or parallel.tp = 1 with QLoRA',
+            what="QLoRA under tensor parallelism",
         )
     # what the engine has not run beside the tp split: each refused by name
     untried = [

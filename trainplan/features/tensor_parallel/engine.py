@@ -45,16 +45,39 @@ def _plain(x) -> bool:
     return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
 
 
+def _linear_plan(layer: nn.Module, name: str, column: bool) -> dict:
+    """The styles of one projection: its own, or under PEFT's LoRA its base layer's and its adapters',
+    split to match (the plan's shapes, plan/tensors.py `_lora_shapes`): beside a column-wise base, A
+    whole and B split by output (its output adds to the base's shard); beside a row-wise base, A split
+    by input (its partial sums all-reduced) and B whole."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    split = ColwiseParallel if column else RowwiseParallel
+    module = layer.get_submodule(name)
+    if not hasattr(module, "base_layer"):
+        return {name: split()}
+    out = {f"{name}.base_layer": split()}
+    for adapter in module.lora_A:
+        out[f"{name}.lora_A.{adapter}"] = replicated() if column else RowwiseParallel()
+        out[f"{name}.lora_B.{adapter}"] = ColwiseParallel() if column else replicated()
+    return out
+
+
 def parallelize(model: nn.Module, mesh) -> nn.Module:
-    """Split `model` (a causal LM of tensor_parallel.MODEL_TYPES, on the meta device) over `mesh`'s tp axis."""
+    """Split `model` (a causal LM of tensor_parallel.MODEL_TYPES, on the meta device, PEFT's LoRA in place
+    or not) over `mesh`'s tp axis. Which parameters train is kept (the styles make new parameters)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    trains = {name: p.requires_grad for name, p in model.named_parameters()}
+    top = model
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
     mesh = tp_mesh(mesh)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     for layer in decoder_layers(model):
-        plan = {name: ColwiseParallel() for name in tensor_parallel.COLUMN}
-        plan |= {name: RowwiseParallel() for name in tensor_parallel.ROW}
+        plan = {}
+        for name in tensor_parallel.COLUMN + tensor_parallel.ROW:
+            plan |= _linear_plan(layer, name, column=name in tensor_parallel.COLUMN)
         for name, module in layer.named_modules():
             if name and not isinstance(module, nn.Linear) and list(module.parameters(recurse=False)):
                 plan[name] = replicated()  # the norms (Qwen3's per-head q/k norms too)
@@ -65,7 +88,9 @@ def parallelize(model: nn.Module, mesh) -> nn.Module:
     parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
     if tied:  # one Shard(0) parameter for both: the embedding's vocabulary split is the head's
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    return model
+    for name, p in top.named_parameters():
+        p.requires_grad_(trains.get(name, True))
+    return top
 
 
 def apply(model: nn.Module, b: Build) -> nn.Module:
