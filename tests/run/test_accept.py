@@ -65,7 +65,7 @@ def test_a_wrong_plan_fails_the_memory_check_and_names_the_component(tiny_run, t
     code = cli.main(
         [
             "accept",
-            *sets(tiny_run, "train.steps=2"),
+            *sets(tiny_run, "train.steps=4"),
             "--output-dir",
             str(tmp_path),
             "--perturb-plan",
