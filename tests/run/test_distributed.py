@@ -100,7 +100,10 @@ def _phase_rows(record: dict) -> list[dict]:
 )
 def test_lora_and_inference_on_two_ranks(tiny_run, tmp_path, mode, strategy):
     root, base = tiny_run
-    record = torchrun(tmp_path, base, f"mode={mode}", "batch.micro_batch_size=2", f"parallel.strategy={strategy}")
+    # 6 steps: the held-out loss of LoRA on a random base must move (3 left it within 3e-5 of where it began)
+    record = torchrun(
+        tmp_path, base, f"mode={mode}", "batch.micro_batch_size=2", f"parallel.strategy={strategy}", "train.steps=6"
+    )
     assert record["contract"]["passed"], record["contract"]["detail"]
     if mode == "lora":
         assert record["eval_after"]["loss"] < record["eval_before"]["loss"]
