@@ -175,7 +175,7 @@ def test_gpu_validate_smoke_run_writes_the_results(tmp_path):
     assert moved["offloaded_activation_bytes"] > 0 and moved["offloaded_vs_plan"] == 0
     tp = doc["rows"][3]  # rank 0 of tp 2, its peer faked: the analytic plan's rank 0, no trace (refused)
     assert tp["status"] == "ok" and tp["targets_met"]["analytic_allocated"] is True
-    assert "parallel.tp" in tp["plan"]["traced"]["error"] and "hardware.gpus=\"2xcpu\"" in tp["settings"]
+    assert "parallel.tp" in tp["plan"]["traced"]["error"] and 'hardware.gpus="2xcpu"' in tp["settings"]
     for row in doc["rows"][:3]:
         assert row["status"] == "ok", row
         assert {"plan", "measured", "errors", "targets_met", "throughput", "hf"} <= set(row)

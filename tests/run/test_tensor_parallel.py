@@ -1,7 +1,7 @@
 """Tensor parallelism in the engine (issue 36): torchrun, gloo on the CPU, the tiny Llama split over
 2 ranks (parallel.tp = 2) and 2-D under FSDP2 on 4 (dp 2 x tp 2). Each reproduces one process's
-losses, measures each rank against its own plan, and resumes bitwise through DCP; a tp checkpoint
-loads on one process with the same weights."""
+losses and measures each rank against its own plan; `accept` passes on tp 2 (its resume bitwise through
+DCP), and a tp checkpoint loads on one process with the same weights."""
 
 import json
 import subprocess
@@ -92,27 +92,38 @@ def test_2d_fsdp2_over_tp_on_four_ranks_reproduces_one_process(tiny_run, tmp_pat
     assert len(record["memory"]["per_rank"]) == 4
 
 
-def test_tp2_resumes_bitwise_and_its_checkpoint_loads_on_one_process(tiny_run, tmp_path):
-    """verify-resume on tp 2 (uninterrupted vs stopped at 2 and resumed): identical losses, gradient
-    norms and learning rates, through a DCP checkpoint of each rank's shards. That checkpoint then
-    loads on one process (tp 2 -> 1) with the same weights and optimizer state, bit for bit."""
-    from trainplan.verify.resume import verify
+def test_accept_on_tp2_passes_and_its_checkpoint_loads_on_one_process(tiny_run, tmp_path):
+    """`trainplan accept --nproc 2 --set parallel.tp=2` (full fine-tuning): every check on the tp
+    layout, each run on the same 2 ranks (the overfit run too); its resume check is verify-resume's
+    (identical losses, gradient norms and learning rates through a DCP checkpoint of each rank's
+    shards). That checkpoint then loads on one process (tp 2 -> 1) with the same weights and
+    optimizer state, bit for bit."""
+    from trainplan import cli
 
-    sets = [*pretrained(tiny_run, "batch.micro_batch_size=4", "parallel.tp=2")]
-    result = verify([x for item in sets for x in ("--set", item)], steps=4, at=2, workdir=tmp_path, nproc=2)
-    assert result["passed"], (result["checks"], result["max_deviation"])
-    assert result["max_deviation"] == {"loss": 0.0, "grad_norm": 0.0, "lr": 0.0}
-    (ckpt,) = (tmp_path / "checkpoints").iterdir()
+    sets = [*pretrained(tiny_run, "mode=full", "batch.micro_batch_size=4", "parallel.tp=2"), "train.steps=3"]
+    argv = ["accept", *(x for s in sets for x in ("--set", s)), "--output-dir", str(tmp_path), "--nproc", "2"]
+    code = cli.main([*argv, "--resume-steps", "4", "--resume-at", "2", "--overfit-steps", "3", "--registry", "off"])
+    result = json.loads((tmp_path / "accept.json").read_text())
+    assert code == 0 and result["verdict"] == "PASS", result["failing"]
+    assert result["record"]["hardware"]["ran"]["tp"] == 2
+    mem = next(c for c in result["checks"] if c["key"] == "memory")["evidence"]
+    assert {r["device"] for r in mem["rows"]} == {"rank 0 (cpu)", "rank 1 (cpu)"}
+    resume = next(c for c in result["checks"] if c["key"] == "resume")["evidence"]
+    assert resume["max_deviation"] == {"loss": 0.0, "grad_norm": 0.0, "lr": 0.0}
+    overfit = json.loads((tmp_path / "overfit" / "record.json").read_text())
+    assert overfit["hardware"]["ran"]["tp"] == 2  # the step check ran on the layout it vouches for
+    (ckpt,) = (tmp_path / "resume" / "checkpoints").iterdir()
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["format"] == "dcp" and manifest["world_size"] == 2
-    stopped = json.loads((tmp_path / "interrupted" / "record.json").read_text())
+    stopped = json.loads((tmp_path / "resume" / "interrupted" / "record.json").read_text())
     one = [
-        *pretrained(tiny_run, "batch.micro_batch_size=4"),
+        "parallel.tp=1",
+        "hardware.gpus=cpu",
         "train.steps=4",
-        f"checkpoint.dir={tmp_path / 'checkpoints'}",
+        f"checkpoint.dir={tmp_path / 'resume' / 'checkpoints'}",
     ]
-    one += ["checkpoint.resume=auto", f"train.output_dir={tmp_path / 'one'}"]
-    resumed = execute(C.load(None, one), quiet=True)[0].to_json()
+    one += ["checkpoint.resume=auto", f"train.output_dir={tmp_path / 'one'}"]  # accept's own config, on one process
+    resumed = execute(C.load(tmp_path / "config.toml", one), quiet=True)[0].to_json()
     assert resumed["resume"]["step"] == 2
     assert resumed["resume"]["loaded"] == {k: stopped["final"][k] for k in ("weights_hash", "optimizer_hash")}
 

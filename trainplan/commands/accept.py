@@ -52,9 +52,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def refuse_plan_only(cfg, nproc: int) -> None:
+def refuse_plan_only(cfg, nproc: int):
     """A layout `trainplan train` does not run is refused before anything loads, with plan's reason.
-    Checked on the devices the run will have, as train names them (run/record.py `device_label`)."""
+    Checked on the devices the run will have, as train names them (run/record.py `device_label`);
+    returns cfg on those devices (a tp layout divides the --nproc ranks, not the one device of "auto")."""
     import dataclasses
 
     from trainplan.plan.analytic import choose_checkpointing, runnable
@@ -69,6 +70,7 @@ def refuse_plan_only(cfg, nproc: int) -> None:
     verdict = runnable(resolve(choose_checkpointing(cfg)[0]))
     if not verdict["ok"]:
         raise TrainplanError(f"accept: plan only, `trainplan train` does not run this layout: {verdict['why']}")
+    return cfg
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     # the shipped demo config unless one is given; flags and --set override either
     split_positional(args)
     cfg = load(args.config or accept.DEFAULT_CONFIG, args.set, settings_from_args(args))
-    refuse_plan_only(cfg, args.nproc)  # before any model is loaded
+    cfg = refuse_plan_only(cfg, args.nproc)  # before any model is loaded
     out = Path(args.output_dir)
     require_writable(out, "--output-dir")  # before any run: the reports must have somewhere to go
     with Progress() as progress:

@@ -219,8 +219,13 @@ def accept(
                 checkpoint=dataclasses.replace(main_cfg.checkpoint, every=0, resume=""),
                 data=main_cfg.data,
             )
-            overfit, _ = loop.run(fit_cfg, progress=checks.progress)
-            write_record(overfit, out_dir / "overfit")
+            if nproc > 1:  # on the run's own ranks: a tp layout does not run on one process
+                fit_file = out_dir / "overfit.toml"
+                fit_file.write_text(C.to_toml(fit_cfg))
+                overfit = RunRecord.from_json(run_train([str(fit_file)], out_dir / "overfit", nproc=nproc))
+            else:
+                overfit, _ = loop.run(fit_cfg, progress=checks.progress)
+                write_record(overfit, out_dir / "overfit")
         done(check_step(record, overfit))
 
     with checks.running("quality", "held-out metric before and after") as done:
