@@ -30,6 +30,7 @@ from trainplan.features import (
     lora,
     optim8bit,
     optimizer_offload,
+    pipeline_parallel,
     qlora,
     sharding,
     step_in_backward,
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # a type only: resolve imports this package
 # The order their rules are asked in: the layout first (what the engine runs of it decides most),
 # then the optimizer's, then the model's. The first refusal is the one reported.
 FEATURES = (
+    pipeline_parallel,
     sharding,
     tensor_parallel,
     optim8bit,

@@ -1,5 +1,5 @@
-"""The parallel layout: data parallelism (DDP, ZeRO-1/2/3, FSDP2) and, planned only so far, pipeline
-parallelism (tensor parallelism is features/tensor_parallel). What each strategy shards is
+"""The parallel layout's data-parallel axis: DDP, ZeRO-1/2/3, FSDP2 (tensor and pipeline parallelism are
+features/tensor_parallel and features/pipeline_parallel). What each strategy shards is
 spec/parallel.py's ParallelDims, the one validated object the plan and the engine share; this module
 holds what the engine and the trace cover of it."""
 
@@ -31,14 +31,6 @@ def refuse(r: Resolved) -> None:
 
 
 def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
-    if dims.pp > 1:
-        raise NotRunnable(
-            "parallel.pp",
-            "the training engine runs data and tensor parallelism (DDP, ZeRO-1, FSDP2, tp); pipeline stages "
-            "are planned, not run",
-            "set parallel.pp = 1 for `trainplan train`",
-            what="pipeline parallelism",
-        )
     if dims.keeps_grad_partition:
         raise NotRunnable(
             "parallel.strategy",
@@ -49,8 +41,4 @@ def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
 
 
 def untraceable(r: Resolved) -> str | None:
-    if r.dims.pp > 1:
-        return (
-            "parallel.pp: the trace covers data and tensor parallelism only; use `trainplan plan` for pipeline stages"
-        )
     return None

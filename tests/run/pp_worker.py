@@ -1,0 +1,47 @@
+"""One rank of a pipeline, run under torchrun by tests/run/test_pipeline_parallel.py (not a test file).
+
+It loads the model and the steps' micro-batches the test wrote under ROOT, cuts the model to this rank's
+stage, runs the steps through the engine's 1F1B pipeline, and writes each step's loss and gradient norm
+(ROOT/steps.json, from rank 0) and its stage's final weights (ROOT/stage<rank>.safetensors)."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+from safetensors.torch import load_file, save_file
+
+from trainplan.features.pipeline_parallel.engine import Pipeline
+from trainplan.run import loss, step
+from trainplan.spec.parallel import ParallelDims
+from trainplan.spec.precision import PRECISIONS
+
+
+def main(root: Path) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    spec = json.loads((root / "spec.json").read_text())
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).train()
+    loss.install(model, spec["chunk_tokens"])
+    pp = dist.get_world_size()
+    dims = ParallelDims(world_size=pp, dp=1, tp=1, pp=pp, strategy="single")
+    pipe = Pipeline(model, dims, rank, spec["accum"], "cpu")
+    optimizer = step.build_optimizer(pipe.model, "adamw", "auto", spec["lr"], 0.0, "cpu")
+    settings = step.StepSettings(prec=PRECISIONS["fp32"], device_type="cpu", max_grad_norm=spec["max_grad_norm"])
+    batches = load_file(root / "batches.safetensors")
+    steps = []
+    for s in range(spec["steps"]):
+        micro = [{k: batches[f"{s}.{j}.{k}"] for k in spec["keys"]} for j in range(spec["accum"])]
+        res = pipe.step(optimizer, micro, settings)
+        steps.append({"loss": float(res.loss), "grad_norm": float(res.grad_norm), "tokens": res.tokens})
+    save_file({k: v.contiguous() for k, v in pipe.model.state_dict().items()}, root / f"stage{rank}.safetensors")
+    if rank == 0:
+        (root / "steps.json").write_text(json.dumps(steps))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,104 @@
+"""Pipeline parallelism's stage split and 1F1B step (features/pipeline_parallel/engine.py): two gloo ranks
+reproduce one process's accumulation over the same micro-batches (issue 36: pp with 4 micro-batches
+equals accumulation 4 in one process, fp32, 5 steps within 1e-5), with the stages unequal on purpose (3
+layers: 2 on the first stage, 1 on the last) and packed documents in the rows."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from trainplan.errors import NotRunnable
+from trainplan.features.pipeline_parallel import engine as pp
+from trainplan.run import loss, step
+from trainplan.run.data import IGNORE_INDEX
+from trainplan.spec.parallel import ParallelDims
+from trainplan.spec.precision import PRECISIONS
+
+WORKER = Path(__file__).with_name("pp_worker.py")
+STEPS, ACCUM, ROWS, SEQ = 5, 4, 2, 32
+
+
+def _model(layers: int = 3, tied: bool = False, seed: int = 0):
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
+def _dims(stages: int) -> ParallelDims:
+    return ParallelDims(world_size=stages, dp=1, tp=1, pp=stages, strategy="single")
+
+
+def _batches() -> dict[str, torch.Tensor]:
+    """STEPS x ACCUM micro-batches; every row packs two documents (positions restart mid-row, the
+    second document's first target ignored), as the engine's packed rows do."""
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for s in range(STEPS):
+        for j in range(ACCUM):
+            ids = torch.randint(0, 256, (ROWS, SEQ), generator=g)
+            cut = int(torch.randint(8, SEQ - 8, (1,), generator=g))
+            positions = torch.cat([torch.arange(cut), torch.arange(SEQ - cut)]).expand(ROWS, SEQ).contiguous()
+            labels = ids.clone()
+            labels[:, cut] = IGNORE_INDEX
+            out |= {f"{s}.{j}.input_ids": ids, f"{s}.{j}.labels": labels, f"{s}.{j}.position_ids": positions}
+    return out
+
+
+def test_the_cut_keeps_each_stages_share_under_its_own_names_and_refuses_a_tied_head():
+    whole = set(_model().state_dict())
+    first, last = (set(pp.cut(_model(), _dims(2), stage).state_dict()) for stage in (0, 1))
+    assert not first & last and first | last == whole  # a stage's keys are the whole model's, split
+    assert {k for k in first if k.startswith("model.layers.")} == {
+        k for k in whole if k.startswith(("model.layers.0.", "model.layers.1."))
+    }  # the uneven split: 3 layers, the first stage takes the remainder
+    assert "model.embed_tokens.weight" in first and {"model.norm.weight", "lm_head.weight"} <= last
+    with pytest.raises(NotRunnable, match="ties its head to its embedding"):
+        pp.cut(_model(tied=True), _dims(2), 0)
+
+
+@pytest.mark.multiprocess
+def test_two_stages_of_1f1b_reproduce_one_process_accumulating_four_micro_batches(tmp_path):
+    lr, max_norm, chunk = 1e-3, 1.0, 16
+    _model().save_pretrained(tmp_path / "model")
+    batches = _batches()
+    save_file(batches, tmp_path / "batches.safetensors")
+    keys = ["input_ids", "labels", "position_ids"]
+    spec = {"steps": STEPS, "accum": ACCUM, "lr": lr, "max_grad_norm": max_norm, "chunk_tokens": chunk, "keys": keys}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.run([*cmd, str(WORKER), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    piped = json.loads((tmp_path / "steps.json").read_text())
+
+    # one process, the engine's own step: the same model, fused loss, optimizer and micro-batches
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).train()
+    loss.install(model, chunk)
+    optimizer = step.build_optimizer(model, "adamw", "auto", lr, 0.0, "cpu")
+    settings = step.StepSettings(prec=PRECISIONS["fp32"], device_type="cpu", max_grad_norm=max_norm)
+    for s, got in enumerate(piped):
+        micro = [{k: batches[f"{s}.{j}.{k}"] for k in keys} for j in range(ACCUM)]
+        ref = step.train_step(model, step.Update(optimizer), micro, settings)
+        assert got["tokens"] == ref.tokens
+        assert got["loss"] == pytest.approx(float(ref.loss), rel=1e-5), s
+        assert got["grad_norm"] == pytest.approx(float(ref.grad_norm), rel=1e-5), s
+    stages = {**load_file(tmp_path / "stage0.safetensors"), **load_file(tmp_path / "stage1.safetensors")}
+    weights, initial = model.state_dict(), _model().state_dict()
+    assert set(stages) == set(weights)
+    for name, tensor in weights.items():  # every tensor trained, and as one process trained it
+        assert not torch.equal(stages[name], initial[name]), name
+        torch.testing.assert_close(stages[name], tensor, rtol=1e-5, atol=1e-6, msg=name)

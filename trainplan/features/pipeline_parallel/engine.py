@@ -1,0 +1,128 @@
+"""Pipeline parallelism in the engine: a causal LM cut to one stage in place, its stage forward, and the
+optimizer step over torch.distributed.pipelining's 1F1B schedule.
+
+The cut keeps the parameters' names: the stage's decoder layers stay under `model.layers.<i>` (a
+ModuleDict keyed by their index in the whole model, torchtitan's layout), the embedding only on the
+first stage, the final norm and the head only on the last; so a stage's state dict is its share of the
+whole model's, key for key, and DCP can write and reshard it as it does FSDP's.
+
+The step is `run/step.py train_step`'s, stage by stage: the accumulation window's micro-batches are the
+schedule's micro-batches, each micro-batch's loss is its token-loss sum over the window's tokens (so the
+gradients sum, scale_grads off, to the gradient of the window's mean, as one process accumulates them),
+the gradient norm is taken over every stage's gradients (their squares summed across the pipeline) and
+clips each stage's own, then each stage steps its own optimizer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainplan.features import pipeline_parallel
+from trainplan.run.loss import FusedLossHead, chunked_cross_entropy
+from trainplan.run.step import StepResult, StepSettings, autocast, target_tokens
+from trainplan.spec.parallel import ParallelDims
+
+
+def cut(model: nn.Module, dims: ParallelDims, stage: int) -> nn.Module:
+    """Keep stage `stage`'s part of a causal LM (transformers' LlamaForCausalLM layout), in place."""
+    config = model.config
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    pipeline_parallel.runnable_model(config.model_type, tied=tied)
+    base = model.model
+    layers = dims.stage_layers(stage, len(base.layers))
+    base.layers = nn.ModuleDict({str(i): base.layers[i] for i in layers})
+    if stage > 0:
+        base.embed_tokens = None
+    if stage < dims.pp - 1:
+        base.norm = None
+        model.lm_head = None
+    return model
+
+
+class Stage(nn.Module):
+    """One stage's forward: LlamaModel.forward's body over the stage's layers. The first stage takes the
+    ids, the others the previous stage's hidden states; every stage takes the micro-batch's position ids
+    (each stage builds the same causal mask from them: block-causal over packed documents). The last
+    stage returns the final norm's output, which the loss multiplies through the head."""
+
+    def __init__(self, model: nn.Module, *, first: bool, last: bool) -> None:
+        super().__init__()
+        self.causal_lm = model
+        self.first, self.last = first, last
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        base = self.causal_lm.model
+        hidden = base.embed_tokens(x) if self.first else x
+        mask = create_causal_mask(
+            config=base.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids
+        )
+        rotary = base.rotary_emb(hidden, position_ids=position_ids)
+        for layer in base.layers.values():
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids)
+        return base.norm(hidden) if self.last else hidden
+
+
+class Pipeline:
+    """This rank's stage of a pp-stage pipeline (pipeline parallelism alone: dp = tp = 1) and its 1F1B
+    schedule over `micro_batches` micro-batches a step."""
+
+    def __init__(self, model: nn.Module, dims: ParallelDims, rank: int, micro_batches: int, device) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        if dims.dp != 1 or dims.tp != 1 or dims.world_size != dims.pp:  # internal: resolve refuses it
+            raise AssertionError(f"the pipeline runs alone (dp = tp = 1), got {dims.describe()}")
+        self.dims = dims
+        self.index = dims.coords(rank)[0]
+        self.first, self.last = self.index == 0, self.index == dims.pp - 1
+        self.model = cut(model, dims, self.index)
+        self.module = Stage(self.model, first=self.first, last=self.last)
+        stage = PipelineStage(self.module, self.index, dims.pp, torch.device(device))
+        self.schedule = Schedule1F1B(stage, micro_batches, loss_fn=self._loss, scale_grads=False)
+        self._tokens = 1
+
+    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's token-loss sum over the window's tokens, through the head as one process
+        computes it: the fused chunked loss where its head is installed, else transformers' loss."""
+        head = self.model.lm_head
+        if isinstance(head, FusedLossHead):
+            return chunked_cross_entropy(hidden, head.weight, labels, self._tokens, head.chunk_tokens)
+        logits = head(hidden)
+        return self.model.loss_function(logits, labels, self.model.config.vocab_size, num_items_in_batch=self._tokens)
+
+    def step(self, optimizer: torch.optim.Optimizer, micro_batches: list[dict], settings: StepSettings) -> StepResult:
+        """One optimizer step over the window: every stage calls it with the same micro-batches (the
+        first stage reads their ids, the last their labels, every stage their positions)."""
+        import torch.distributed as dist
+
+        self._tokens = sum(target_tokens(mb) for mb in micro_batches)
+        ids = torch.cat([mb["input_ids"] for mb in micro_batches])
+        labels = torch.cat([mb["labels"] for mb in micro_batches])
+        positions = torch.cat([_positions(mb) for mb in micro_batches])
+        losses: list[torch.Tensor] = []
+        with autocast(settings.prec, settings.device_type):
+            if self.first:
+                self.schedule.step(ids, position_ids=positions, target=labels, losses=losses)
+            else:
+                self.schedule.step(position_ids=positions, target=labels, losses=losses)
+        loss = torch.stack(losses).sum().detach() if self.last else torch.zeros((), dtype=torch.float32)
+        dist.broadcast(loss, src=self.dims.pp - 1)  # the last stage's rank: dp = tp = 1
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        local = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        squares = local.double().square()
+        dist.all_reduce(squares)
+        norm = squares.sqrt().float()
+        if settings.max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, settings.max_grad_norm, norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss=loss, grad_norm=norm, tokens=self._tokens)
+
+
+def _positions(batch: dict) -> torch.Tensor:
+    """The micro-batch's position ids: its own where its rows pack documents, else 0..seq-1 on every row."""
+    if "position_ids" in batch:
+        return batch["position_ids"]
+    rows, seq = batch["input_ids"].shape
+    return torch.arange(seq, device=batch["input_ids"].device).expand(rows, seq).contiguous()
