@@ -2,7 +2,9 @@
 
 It loads the model and the steps' micro-batches the test wrote under ROOT, cuts the model to this rank's
 stage, runs the steps through the engine's 1F1B pipeline, and writes each step's loss and gradient norm
-(ROOT/steps.json, from rank 0) and its stage's final weights (ROOT/stage<rank>.safetensors)."""
+(ROOT/steps.json, from rank 0), its stage's final weights (ROOT/stage<rank>.safetensors) and a DCP
+checkpoint of every stage's weights and optimizer state, as the engine's checkpoints hold them
+(ROOT/ckpt/dcp)."""
 
 import json
 import sys
@@ -10,11 +12,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import transformers
 from safetensors.torch import load_file, save_file
 
 from trainplan.features.pipeline_parallel.engine import Pipeline
 from trainplan.run import loss, step
+from trainplan.run.checkpoint.format import _dcp_state
 from trainplan.spec.parallel import ParallelDims
 from trainplan.spec.precision import PRECISIONS
 
@@ -37,6 +41,7 @@ def main(root: Path) -> None:
         res = pipe.step(optimizer, micro, settings)
         steps.append({"loss": float(res.loss), "grad_norm": float(res.grad_norm), "tokens": res.tokens})
     save_file({k: v.contiguous() for k, v in pipe.model.state_dict().items()}, root / f"stage{rank}.safetensors")
+    dcp.save(_dcp_state(pipe.model, optimizer), checkpoint_id=str(root / "ckpt" / "dcp"))
     if rank == 0:
         (root / "steps.json").write_text(json.dumps(steps))
     dist.barrier()

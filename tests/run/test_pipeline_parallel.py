@@ -1,7 +1,8 @@
 """Pipeline parallelism's stage split and 1F1B step (features/pipeline_parallel/engine.py): two gloo ranks
 reproduce one process's accumulation over the same micro-batches (issue 36: pp with 4 micro-batches
 equals accumulation 4 in one process, fp32, 5 steps within 1e-5), with the stages unequal on purpose (3
-layers: 2 on the first stage, 1 on the last) and packed documents in the rows."""
+layers: 2 on the first stage, 1 on the last) and packed documents in the rows; the stages' DCP checkpoint
+loads on one process (pp 2 -> 1) and goes on as that process would."""
 
 import json
 import subprocess
@@ -16,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from trainplan.errors import NotRunnable
 from trainplan.features.pipeline_parallel import engine as pp
 from trainplan.run import loss, step
+from trainplan.run.checkpoint.format import _load_dcp
 from trainplan.run.data import IGNORE_INDEX
 from trainplan.spec.parallel import ParallelDims
 from trainplan.spec.precision import PRECISIONS
@@ -44,11 +46,12 @@ def _dims(stages: int) -> ParallelDims:
 
 
 def _batches() -> dict[str, torch.Tensor]:
-    """STEPS x ACCUM micro-batches; every row packs two documents (positions restart mid-row, the
-    second document's first target ignored), as the engine's packed rows do."""
+    """(STEPS + 1) x ACCUM micro-batches (the last window for the resumed step); every row packs two
+    documents (positions restart mid-row, the second document's first target ignored), as the engine's
+    packed rows do."""
     g = torch.Generator().manual_seed(1)
     out = {}
-    for s in range(STEPS):
+    for s in range(STEPS + 1):
         for j in range(ACCUM):
             ids = torch.randint(0, 256, (ROWS, SEQ), generator=g)
             cut = int(torch.randint(8, SEQ - 8, (1,), generator=g))
@@ -90,9 +93,12 @@ def test_two_stages_of_1f1b_reproduce_one_process_accumulating_four_micro_batche
     loss.install(model, chunk)
     optimizer = step.build_optimizer(model, "adamw", "auto", lr, 0.0, "cpu")
     settings = step.StepSettings(prec=PRECISIONS["fp32"], device_type="cpu", max_grad_norm=max_norm)
+
+    def window(s: int) -> list[dict]:
+        return [{k: batches[f"{s}.{j}.{k}"] for k in keys} for j in range(ACCUM)]
+
     for s, got in enumerate(piped):
-        micro = [{k: batches[f"{s}.{j}.{k}"] for k in keys} for j in range(ACCUM)]
-        ref = step.train_step(model, step.Update(optimizer), micro, settings)
+        ref = step.train_step(model, step.Update(optimizer), window(s), settings)
         assert got["tokens"] == ref.tokens
         assert got["loss"] == pytest.approx(float(ref.loss), rel=1e-5), s
         assert got["grad_norm"] == pytest.approx(float(ref.grad_norm), rel=1e-5), s
@@ -102,3 +108,18 @@ def test_two_stages_of_1f1b_reproduce_one_process_accumulating_four_micro_batche
     for name, tensor in weights.items():  # every tensor trained, and as one process trained it
         assert not torch.equal(stages[name], initial[name]), name
         torch.testing.assert_close(stages[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+    # pp 2 -> 1: the two stages' DCP checkpoint into one whole model and its optimizer, which then takes
+    # the next step as the process that trained all along does
+    resumed = _model(seed=7)
+    loss.install(resumed, chunk)
+    resumed_opt = step.build_optimizer(resumed, "adamw", "auto", lr, 0.0, "cpu")
+    _load_dcp(tmp_path / "ckpt", resumed, resumed_opt)
+    for name, tensor in weights.items():
+        torch.testing.assert_close(resumed.state_dict()[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    after = step.train_step(resumed, step.Update(resumed_opt), window(STEPS), settings)
+    ref = step.train_step(model, step.Update(optimizer), window(STEPS), settings)
+    assert float(after.loss) == pytest.approx(float(ref.loss), rel=1e-5)
+    assert float(after.grad_norm) == pytest.approx(float(ref.grad_norm), rel=1e-5)
+    for (name, p), q in zip(resumed.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)  # the loaded Adam moments too
