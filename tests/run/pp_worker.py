@@ -2,9 +2,9 @@
 
 It loads the model and the steps' micro-batches the test wrote under ROOT, cuts the model to this rank's
 stage, runs the steps through the engine's 1F1B pipeline, and writes each step's loss and gradient norm
-(ROOT/steps.json, from rank 0), its stage's final weights (ROOT/stage<rank>.safetensors) and a DCP
-checkpoint of every stage's weights and optimizer state, as the engine's checkpoints hold them
-(ROOT/ckpt/dcp)."""
+and the trained model's held-out metric through the stages (ROOT/steps.json, from rank 0), its stage's
+final weights (ROOT/stage<rank>.safetensors) and a DCP checkpoint of every stage's weights and optimizer
+state, as the engine's checkpoints hold them (ROOT/ckpt/dcp)."""
 
 import json
 import sys
@@ -17,7 +17,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from trainplan.features.pipeline_parallel.engine import Pipeline
-from trainplan.run import loss, step
+from trainplan.run import evaluate, loss, step
 from trainplan.run.checkpoint.format import _dcp_state
 from trainplan.spec.parallel import ParallelDims
 from trainplan.spec.precision import PRECISIONS
@@ -38,12 +38,32 @@ def main(root: Path) -> None:
     steps = []
     for s in range(spec["steps"]):
         micro = [{k: batches[f"{s}.{j}.{k}"] for k in spec["keys"]} for j in range(spec["accum"])]
-        res = pipe.step(optimizer, micro, settings)
+        res = pipe.step(step.Update(optimizer), micro, settings)
         steps.append({"loss": float(res.loss), "grad_norm": float(res.grad_norm), "tokens": res.tokens})
     save_file({k: v.contiguous() for k, v in pipe.model.state_dict().items()}, root / f"stage{rank}.safetensors")
     dcp.save(_dcp_state(pipe.model, optimizer), checkpoint_id=str(root / "ckpt" / "dcp"))
+    # the guard says skip (every stage sees the same loss and norm): nothing moves on any stage
+    before = {k: v.clone() for k, v in pipe.model.state_dict().items()}
+    hooks = step.StepHooks(decide=lambda loss, norm, scale: False)
+    skipped = pipe.step(step.Update(optimizer), micro, settings, hooks=hooks)
+    unchanged = all(torch.equal(v, before[k]) for k, v in pipe.model.state_dict().items())
+    unchanged = torch.tensor(float(unchanged and not skipped.applied))
+    dist.all_reduce(unchanged, op=dist.ReduceOp.MIN)
+    held_out = {k: batches[f"eval.{k}"] for k in ("input_ids", "labels", "position_ids")}
+    metrics = evaluate.evaluate(
+        pipe.model,
+        held_out["input_ids"],
+        held_out["labels"],
+        positions=held_out["position_ids"],
+        micro_batch=spec["eval_micro_batch"],
+        max_batches=0,
+        prec=settings.prec,
+        device=torch.device("cpu"),
+        pipeline=pipe,
+    )
     if rank == 0:
-        (root / "steps.json").write_text(json.dumps(steps))
+        doc = {"steps": steps, "eval": metrics, "skip_changed_nothing": bool(unchanged)}
+        (root / "steps.json").write_text(json.dumps(doc))
     dist.barrier()
     dist.destroy_process_group()
 

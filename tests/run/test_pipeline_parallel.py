@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from trainplan.errors import NotRunnable
 from trainplan.features.pipeline_parallel import engine as pp
-from trainplan.run import loss, step
+from trainplan.run import evaluate, loss, step
 from trainplan.run.checkpoint.format import _load_dcp
 from trainplan.run.data import IGNORE_INDEX
 from trainplan.spec.parallel import ParallelDims
@@ -59,6 +59,9 @@ def _batches() -> dict[str, torch.Tensor]:
             labels = ids.clone()
             labels[:, cut] = IGNORE_INDEX
             out |= {f"{s}.{j}.input_ids": ids, f"{s}.{j}.labels": labels, f"{s}.{j}.position_ids": positions}
+    held_out = torch.randint(0, 256, (6, SEQ), generator=g)  # 3 held-out batches of 2
+    out |= {"eval.input_ids": held_out, "eval.labels": held_out.clone()}
+    out["eval.position_ids"] = torch.arange(SEQ).expand(6, SEQ).contiguous()
     return out
 
 
@@ -82,11 +85,13 @@ def test_two_stages_of_1f1b_reproduce_one_process_accumulating_four_micro_batche
     save_file(batches, tmp_path / "batches.safetensors")
     keys = ["input_ids", "labels", "position_ids"]
     spec = {"steps": STEPS, "accum": ACCUM, "lr": lr, "max_grad_norm": max_norm, "chunk_tokens": chunk, "keys": keys}
+    spec["eval_micro_batch"] = 2
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     proc = subprocess.run([*cmd, str(WORKER), str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    piped = json.loads((tmp_path / "steps.json").read_text())
+    doc = json.loads((tmp_path / "steps.json").read_text())
+    piped = doc["steps"]
 
     # one process, the engine's own step: the same model, fused loss, optimizer and micro-batches
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).train()
@@ -102,6 +107,22 @@ def test_two_stages_of_1f1b_reproduce_one_process_accumulating_four_micro_batche
         assert got["tokens"] == ref.tokens
         assert got["loss"] == pytest.approx(float(ref.loss), rel=1e-5), s
         assert got["grad_norm"] == pytest.approx(float(ref.grad_norm), rel=1e-5), s
+    assert doc["skip_changed_nothing"]  # a step the guard skipped left every stage's weights as they were
+    # the held-out metric through the stages is run/evaluate.py's on the one process's model
+    held_out = {k: batches[f"eval.{k}"] for k in keys}
+    metrics = evaluate.evaluate(
+        model,
+        held_out["input_ids"],
+        held_out["labels"],
+        positions=held_out["position_ids"],
+        micro_batch=2,
+        max_batches=0,
+        prec=settings.prec,
+        device=torch.device("cpu"),
+    )
+    assert doc["eval"]["tokens"] == metrics["tokens"] == 6 * (SEQ - 1)
+    assert doc["eval"]["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
+    assert doc["eval"]["token_accuracy"] == pytest.approx(metrics["token_accuracy"], abs=1e-9)
     stages = {**load_file(tmp_path / "stage0.safetensors"), **load_file(tmp_path / "stage1.safetensors")}
     weights, initial = model.state_dict(), _model().state_dict()
     assert set(stages) == set(weights)

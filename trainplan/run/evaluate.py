@@ -43,9 +43,12 @@ def evaluate(
     device: torch.device,
     all_reduce=None,
     training_run: bool = True,
+    pipeline=None,
 ) -> dict:
     """training_run: evaluate under no_grad, not inference_mode: FSDP all-gathers parameters
-    during the forward, and inference tensors cannot be updated in place by the next step."""
+    during the forward, and inference tensors cannot be updated in place by the next step.
+    pipeline: this rank's stage of a pipeline (features/pipeline_parallel/engine.py `Pipeline`), whose
+    forward runs through every stage; `model` is then the stage's part of the model."""
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64)
@@ -62,6 +65,10 @@ def evaluate(
             batch = {"input_ids": x}
             if positions is not None:  # document packing: each document attends to itself only
                 batch["position_ids"] = positions[start : start + micro_batch].to(device)
+            if pipeline is not None:
+                sums = pipeline.eval_sums(batch, y, prec=prec, device_type=device.type)
+                loss_sum, correct, count = loss_sum + sums[0], correct + sums[1], count + sums[2]
+                continue
             inputs = model_inputs(batch)
             if head is not None:  # the chunked head: no (tokens x vocab) logits, as in training
                 with autocast(prec, device.type), head.eval_targets(y):

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from trainplan.features import pipeline_parallel
-from trainplan.run.loss import FusedLossHead, chunked_cross_entropy
-from trainplan.run.step import StepResult, StepSettings, autocast, target_tokens
+from trainplan.run.data import IGNORE_INDEX
+from trainplan.run.loss import FusedLossHead, chunked_cross_entropy, chunked_eval_sums
+from trainplan.run.step import NO_HOOKS, StepHooks, StepResult, StepSettings, _apply, autocast, target_tokens
 from trainplan.spec.parallel import ParallelDims
 
 
@@ -91,23 +92,32 @@ class Pipeline:
         logits = head(hidden)
         return self.model.loss_function(logits, labels, self.model.config.vocab_size, num_items_in_batch=self._tokens)
 
-    def step(self, optimizer: torch.optim.Optimizer, micro_batches: list[dict], settings: StepSettings) -> StepResult:
-        """One optimizer step over the window: every stage calls it with the same micro-batches (the
-        first stage reads their ids, the last their labels, every stage their positions)."""
+    def step(
+        self, update, micro_batches: list[dict], settings: StepSettings, *, hooks: StepHooks = NO_HOOKS
+    ) -> StepResult:
+        """One optimizer step over the window, as run/step.py `train_step` takes it: every stage calls it
+        with the same micro-batches (the first stage reads their ids, the last their labels, every stage
+        their positions); `update` holds the stage's optimizer and the scheduler, and `hooks.decide` (the
+        guard) sees the window's loss and the pipeline's gradient norm on every stage, so all of them
+        skip or apply the update together."""
         import torch.distributed as dist
 
+        if update.scaler is not None:  # internal: resolve refuses fp16 loss scaling under pp
+            raise AssertionError("the pipeline step takes no GradScaler")
         self._tokens = sum(target_tokens(mb) for mb in micro_batches)
         ids = torch.cat([mb["input_ids"] for mb in micro_batches])
         labels = torch.cat([mb["labels"] for mb in micro_batches])
         positions = torch.cat([_positions(mb) for mb in micro_batches])
         losses: list[torch.Tensor] = []
+        hooks.on_phase("forward")  # 1F1B interleaves the micro-batches' forwards and backwards
         with autocast(settings.prec, settings.device_type):
             if self.first:
                 self.schedule.step(ids, position_ids=positions, target=labels, losses=losses)
             else:
                 self.schedule.step(position_ids=positions, target=labels, losses=losses)
-        loss = torch.stack(losses).sum().detach() if self.last else torch.zeros((), dtype=torch.float32)
+        loss = torch.stack(losses).sum().detach().float() if self.last else torch.zeros((), dtype=torch.float32)
         dist.broadcast(loss, src=self.dims.pp - 1)  # the last stage's rank: dp = tp = 1
+        hooks.on_phase("optimizer")
         params = [p for p in self.model.parameters() if p.grad is not None]
         local = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
         squares = local.double().square()
@@ -115,9 +125,49 @@ class Pipeline:
         norm = squares.sqrt().float()
         if settings.max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(params, settings.max_grad_norm, norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss=loss, grad_norm=norm, tokens=self._tokens)
+        applied = _apply(update, hooks.decide, loss, norm)
+        update.optimizer.zero_grad(set_to_none=True)
+        hooks.on_phase("end")
+        return StepResult(loss=loss, grad_norm=norm, tokens=self._tokens, applied=applied)
+
+    def eval_sums(self, batch: dict, labels: torch.Tensor, *, prec, device_type: str) -> torch.Tensor:
+        """(loss sum, correct next-token predictions, target tokens) of one held-out batch, forward only
+        through the stages (each sends its hidden states to the next, their dtype first), on every
+        stage: run/evaluate.py's metric, computed on the last stage as one process computes it."""
+        import torch.distributed as dist
+
+        x, positions = batch["input_ids"], _positions(batch)
+        with autocast(prec, device_type):
+            if not self.first:
+                code = torch.zeros((), dtype=torch.int64)
+                dist.recv(code, src=self.index - 1)
+                x = torch.empty((*x.shape, self.model.config.hidden_size), dtype=_DTYPES[int(code)])
+                dist.recv(x, src=self.index - 1)
+            hidden = self.module(x, positions)
+            if not self.last:
+                dist.send(torch.tensor(_DTYPES.index(hidden.dtype)), dst=self.index + 1)
+                dist.send(hidden.contiguous(), dst=self.index + 1)
+                sums = torch.zeros(3, dtype=torch.float64)
+            else:
+                sums = self._eval_sums(hidden, labels)
+        dist.broadcast(sums, src=self.dims.pp - 1)
+        return sums
+
+    def _eval_sums(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        head = self.model.lm_head
+        if isinstance(head, FusedLossHead):
+            return chunked_eval_sums(hidden, head.weight, labels, head.chunk_tokens).double().cpu()
+        logits = head(hidden)[:, :-1].float()
+        target = labels[:, 1:]
+        mask = target != IGNORE_INDEX
+        ce = nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        correct = ((logits.argmax(-1) == target) & mask).sum()
+        return torch.stack([ce.double(), correct.double(), mask.sum().double()]).cpu()
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _positions(batch: dict) -> torch.Tensor:
