@@ -42,6 +42,12 @@ def main(root: Path) -> None:
         steps.append({"loss": float(res.loss), "grad_norm": float(res.grad_norm), "tokens": res.tokens})
     save_file({k: v.contiguous() for k, v in pipe.model.state_dict().items()}, root / f"stage{rank}.safetensors")
     dcp.save(_dcp_state(pipe.model, optimizer), checkpoint_id=str(root / "ckpt" / "dcp"))
+    # the receive buffers the stage keeps for the run, one per micro-batch (the plan's comm_buffers)
+    stage = pipe.schedule._stage
+    infos = [*stage.args_recv_info.values(), *getattr(stage, "grad_recv_info", {}).values()]
+    buffers = {r.buffer.data_ptr(): r.buffer for info in infos for r in info if getattr(r, "buffer", None) is not None}
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, sum(b.numel() * b.element_size() for b in buffers.values()))
     # the guard says skip (every stage sees the same loss and norm): nothing moves on any stage
     before = {k: v.clone() for k, v in pipe.model.state_dict().items()}
     hooks = step.StepHooks(decide=lambda loss, norm, scale: False)
@@ -62,7 +68,7 @@ def main(root: Path) -> None:
         pipeline=pipe,
     )
     if rank == 0:
-        doc = {"steps": steps, "eval": metrics, "skip_changed_nothing": bool(unchanged)}
+        doc = {"steps": steps, "eval": metrics, "skip_changed_nothing": bool(unchanged), "receive_buffers": held}
         (root / "steps.json").write_text(json.dumps(doc))
     dist.barrier()
     dist.destroy_process_group()

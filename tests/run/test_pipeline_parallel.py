@@ -14,8 +14,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from trainplan import config as C
 from trainplan.errors import NotRunnable
 from trainplan.features.pipeline_parallel import engine as pp
+from trainplan.plan import analytic
 from trainplan.run import evaluate, loss, step
 from trainplan.run.checkpoint.format import _load_dcp
 from trainplan.run.data import IGNORE_INDEX
@@ -107,6 +109,21 @@ def test_two_stages_of_1f1b_reproduce_one_process_accumulating_four_micro_batche
         assert got["tokens"] == ref.tokens
         assert got["loss"] == pytest.approx(float(ref.loss), rel=1e-5), s
         assert got["grad_norm"] == pytest.approx(float(ref.grad_norm), rel=1e-5), s
+    # the plan's pipeline buffers are the ones the stages hold: 4 micro-batches' output gradients on the
+    # first stage, their hidden states on the last (2 x 32 tokens x 64 x 4 B each)
+    settings_of_run = {
+        "model.source": str(tmp_path / "model" / "config.json"),
+        "hardware.gpus": "2xcpu",
+        "parallel.pp": 2,
+        "batch.micro_batch_size": ROWS,
+        "batch.global_batch_size": ROWS * ACCUM,
+        "batch.seq_len": SEQ,
+        "precision": "fp32",
+        "train.loss_chunk_tokens": chunk,
+    }
+    ledger = analytic.plan(C.load(None, [], settings_of_run))
+    planned = [dev.phases["forward"]["comm_buffers"] for dev in ledger.devices]
+    assert doc["receive_buffers"] == planned == [ACCUM * ROWS * SEQ * 64 * 4] * 2
     assert doc["skip_changed_nothing"]  # a step the guard skipped left every stage's weights as they were
     # the held-out metric through the stages is run/evaluate.py's on the one process's model
     held_out = {k: batches[f"eval.{k}"] for k in keys}

@@ -112,9 +112,9 @@ class Pipeline:
         hooks.on_phase("forward")  # 1F1B interleaves the micro-batches' forwards and backwards
         with autocast(settings.prec, settings.device_type):
             if self.first:
-                self.schedule.step(ids, position_ids=positions, target=labels, losses=losses)
+                self.schedule.step(ids, position_ids=positions, target=labels, losses=losses, return_outputs=False)
             else:
-                self.schedule.step(position_ids=positions, target=labels, losses=losses)
+                self.schedule.step(position_ids=positions, target=labels, losses=losses, return_outputs=False)
         loss = torch.stack(losses).sum().detach().float() if self.last else torch.zeros((), dtype=torch.float32)
         dist.broadcast(loss, src=self.dims.pp - 1)  # the last stage's rank: dp = tp = 1
         hooks.on_phase("optimizer")
