@@ -9,7 +9,9 @@ The ladder, least intrusive first (the most significant knob first):
   mode full -> LoRA -> QLoRA; for LoRA, all linear layers before attention only, rank 64 -> 16;
   precision mixed (bf16 where every device has it) -> pure bf16; AdamW -> 8-bit AdamW;
   no model parallelism -> tensor -> pipeline; no checkpointing -> checkpointing;
-  DDP -> ZeRO-1 -> ZeRO-2 -> ZeRO-3 (FSDP).
+  DDP -> ZeRO-1 -> ZeRO-2 -> ZeRO-3 (FSDP), ZeRO-2 in the form `train` runs: FSDP2 without resharding
+  after forward (fsdp-grad-op: the gradients and optimizer states sharded, the parameters gathered from
+  forward through backward), not DeepSpeed's replicated parameters (zero2, planned but not run).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from trainplan.spec.parallel import resolve_batch
 TRAIN_MODES = ("full", *features.lora.ADAPTER_MODES)
 # ZeRO-1/2 would shard only a LoRA adapter's tiny states; inference replicas hold no training state
 STRATEGIES = {
-    "full": ("ddp", "zero1", "zero2", "zero3"),
+    "full": ("ddp", "zero1", "fsdp-grad-op", "zero3"),
     "lora": ("ddp", "zero3"),
     features.qlora.MODE: ("ddp", "zero3"),
     "inference": ("ddp",),
@@ -47,6 +49,7 @@ NAMES = {
     "ddp": "DDP",
     "zero1": "ZeRO-1",
     "zero2": "ZeRO-2",
+    "fsdp-grad-op": "ZeRO-2 (FSDP2 grad-op)",
     "zero3": "ZeRO-3/FSDP",
     "full": "full fine-tuning",
     "lora": "LoRA",
