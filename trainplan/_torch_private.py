@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_map_only
 from trainplan.errors import TrainplanError
 
 TESTED_TORCH = ((2, 8), (2, 14))  # [low, high] major.minor, inclusive
-CATEGORIES = ("params", "buffers", "grads", "optimizer", "inputs", "activations")
+CATEGORIES = ("params", "buffers", "grads", "optimizer", "inputs", "comm", "activations")
 
 
 def check_torch_version(version: str = torch.__version__) -> None:
@@ -420,9 +420,10 @@ class StorageTracker(TorchDispatchMode):
         if old is not None:
             self.events.append(("free", old))
 
-    def track(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, inputs=()) -> None:
+    def track(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, inputs=(), comm=()) -> None:
         """Register what exists before the step: parameters, buffers, gradients kept between steps
-        (DDP's buckets), optimizer state, the batch."""
+        (DDP's buckets), optimizer state, the batch, and communication buffers kept between steps (a
+        pipeline stage's receive buffers)."""
         self._params = [p for p in model.parameters()]
         seen: set[int] = set()
         for _, p in model.named_parameters(remove_duplicate=False):  # a tied parameter comes twice
@@ -439,6 +440,8 @@ class StorageTracker(TorchDispatchMode):
             self._add(b, "buffers")
         for t in inputs:
             self._add(t, "inputs")
+        for t in comm:
+            self._add(t, "comm")
         if optimizer is not None:
             self._tag_optimizer(optimizer)
 

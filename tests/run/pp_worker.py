@@ -17,7 +17,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from trainplan.features.pipeline_parallel.engine import Pipeline
-from trainplan.run import evaluate, loss, step
+from trainplan.run import evaluate, loss, measure, step
 from trainplan.run.checkpoint.format import _dcp_state
 from trainplan.spec.parallel import ParallelDims
 from trainplan.spec.precision import PRECISIONS
@@ -43,15 +43,20 @@ def main(root: Path) -> None:
     save_file({k: v.contiguous() for k, v in pipe.model.state_dict().items()}, root / f"stage{rank}.safetensors")
     dcp.save(_dcp_state(pipe.model, optimizer), checkpoint_id=str(root / "ckpt" / "dcp"))
     # the receive buffers the stage keeps for the run, one per micro-batch (the plan's comm_buffers)
-    stage = pipe.schedule._stage
-    infos = [*stage.args_recv_info.values(), *getattr(stage, "grad_recv_info", {}).values()]
-    buffers = {r.buffer.data_ptr(): r.buffer for info in infos for r in info if getattr(r, "buffer", None) is not None}
     held = [None] * dist.get_world_size()
-    dist.all_gather_object(held, sum(b.numel() * b.element_size() for b in buffers.values()))
+    dist.all_gather_object(held, sum(b.numel() * b.element_size() for b in pipe.receive_buffers()))
     # the guard says skip (every stage sees the same loss and norm): nothing moves on any stage
     before = {k: v.clone() for k, v in pipe.model.state_dict().items()}
-    hooks = step.StepHooks(decide=lambda loss, norm, scale: False)
-    skipped = pipe.step(step.Update(optimizer), micro, settings, hooks=hooks)
+    # measured (the storage tracker, given the stage's receive buffers): its 1F1B part is one phase
+    inputs = [t for mb in micro for t in mb.values()]
+    meter = measure.StepMeter(
+        pipe.model, optimizer, inputs, torch.device("cpu"), lora=False, comm=pipe.receive_buffers()
+    )
+    hooks = step.StepHooks(decide=lambda loss, norm, scale: False, on_phase=meter.on_phase)
+    with meter:
+        skipped = pipe.step(step.Update(optimizer), micro, settings, hooks=hooks)
+    measured = [None] * dist.get_world_size()
+    dist.all_gather_object(measured, meter.result()["phases"]["forward"])
     unchanged = all(torch.equal(v, before[k]) for k, v in pipe.model.state_dict().items())
     unchanged = torch.tensor(float(unchanged and not skipped.applied))
     dist.all_reduce(unchanged, op=dist.ReduceOp.MIN)
@@ -69,6 +74,7 @@ def main(root: Path) -> None:
     )
     if rank == 0:
         doc = {"steps": steps, "eval": metrics, "skip_changed_nothing": bool(unchanged), "receive_buffers": held}
+        doc["step_measured"] = measured
         (root / "steps.json").write_text(json.dumps(doc))
     dist.barrier()
     dist.destroy_process_group()

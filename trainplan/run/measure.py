@@ -60,13 +60,13 @@ def _nvml_used(device: torch.device) -> int | None:
 class StepMeter:
     """Wraps one real training step: `with meter: train_step(..., on_phase=meter.on_phase)`."""
 
-    def __init__(self, model: nn.Module, optimizer, inputs, device: torch.device, *, lora: bool) -> None:
+    def __init__(self, model: nn.Module, optimizer, inputs, device: torch.device, *, lora: bool, comm=()) -> None:
         from trainplan import _torch_private as P
 
         self.model, self.optimizer, self.device, self.lora = model, optimizer, device, lora
         # on a GPU, its own storages only: host memory (offloaded states and activations) is the host's
         self.tracker = P.StorageTracker(device=device if device.type == "cuda" else None)
-        self.tracker.track(getattr(model, "module", model), optimizer, inputs)
+        self.tracker.track(getattr(model, "module", model), optimizer, inputs, comm)
         self.raw: dict[str, dict[str, int]] = {}
         self.order: list[str] = []
         self.cuda: dict[str, dict[str, int | None]] = {}
@@ -292,6 +292,8 @@ def to_components(raw: dict[str, int], *, adapter_params: int, states: int, lora
         "optimizer": raw.get("optimizer", 0),
         "activations": raw.get("activations", 0) + raw.get("inputs", 0),
     }
+    if raw.get("comm"):  # a pipeline stage's receive buffers, held from its first step on
+        out["comm_buffers"] = raw["comm"]
     if phase == "optimizer":
         out["optimizer_temp"] = max(0, out["optimizer"] - states)
         out["optimizer"] -= out["optimizer_temp"]

@@ -130,6 +130,17 @@ class Pipeline:
         hooks.on_phase("end")
         return StepResult(loss=loss, grad_norm=norm, tokens=self._tokens, applied=applied)
 
+    def receive_buffers(self) -> list[torch.Tensor]:
+        """The receive buffers the stage allocated at its first step and keeps (one per micro-batch: the
+        hidden states it receives, the output gradients it receives): the plan's comm_buffers, which the
+        step meter is given, since they exist before the step it measures."""
+        stage = self.schedule._stage
+        infos = [*stage.args_recv_info.values(), *getattr(stage, "grad_recv_info", {}).values()]
+        found = {
+            r.buffer.data_ptr(): r.buffer for info in infos for r in info if getattr(r, "buffer", None) is not None
+        }
+        return list(found.values())
+
     def eval_sums(self, batch: dict, labels: torch.Tensor, *, prec, device_type: str) -> torch.Tensor:
         """(loss sum, correct next-token predictions, target tokens) of one held-out batch, forward only
         through the stages (each sends its hidden states to the next, their dtype first), on every
