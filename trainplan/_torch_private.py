@@ -1,10 +1,9 @@
 """Every use of private PyTorch and transformers internals lives here: fake tensors, the fake
 process group, dispatch-mode tracking, and transformers' mask code.
 
-The torch range trainplan is tested with is TESTED_TORCH below, the one statement of it: pyproject's
-`run` extra declares the same bounds and requirements.txt pins a version inside them
-(tests/test_torch_private.py holds all three together). An upgrade outside it fails here, loudly,
-instead of somewhere deep in a trace.
+The torch range trainplan is tested with is TESTED_TORCH below, the one statement of it: pyproject's `run` extra
+declares the same bounds and requirements.txt pins a version inside them (tests/test_torch_private.py holds all three
+together). An upgrade outside it fails here, loudly, instead of somewhere deep in a trace.
 
 Known workarounds, each needed by the tracer:
 - `.to()` / `to_empty()` fail on modules holding fake parameters: build on meta, wrap with PEFT
@@ -421,9 +420,8 @@ class StorageTracker(TorchDispatchMode):
             self.events.append(("free", old))
 
     def track(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, inputs=(), comm=()) -> None:
-        """Register what exists before the step: parameters, buffers, gradients kept between steps
-        (DDP's buckets), optimizer state, the batch, and communication buffers kept between steps (a
-        pipeline stage's receive buffers)."""
+        """Register what exists before the step: parameters, buffers, kept gradients (DDP's buckets),
+        optimizer state, the batch, comm buffers (a pipeline stage's receive buffers)."""
         self._params = [p for p in model.parameters()]
         seen: set[int] = set()
         for _, p in model.named_parameters(remove_duplicate=False):  # a tied parameter comes twice
@@ -438,10 +436,9 @@ class StorageTracker(TorchDispatchMode):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         for b in model.buffers():
             self._add(b, "buffers")
-        for t in inputs:
-            self._add(t, "inputs")
-        for t in comm:
-            self._add(t, "comm")
+        for category, tensors in (("inputs", inputs), ("comm", comm)):
+            for t in tensors:
+                self._add(t, category)
         if optimizer is not None:
             self._tag_optimizer(optimizer)
 
