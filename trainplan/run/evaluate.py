@@ -30,6 +30,18 @@ def reshard(model: nn.Module) -> None:
             m.reshard()
 
 
+def logit_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(loss sum, correct next-token predictions, target tokens), float64 on the CPU, of fp32 logits
+    already shifted (position t predicts t + 1) against `labels`."""
+    target = labels[:, 1:]
+    mask = target != IGNORE_INDEX
+    ce = nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    correct = ((logits.argmax(-1) == target) & mask).sum()
+    return torch.stack([ce.double(), correct.double(), mask.sum().double()]).cpu()
+
+
 def evaluate(
     model: nn.Module,
     ids: torch.Tensor,
@@ -67,26 +79,16 @@ def evaluate(
                 batch["position_ids"] = positions[start : start + micro_batch].to(device)
             if pipeline is not None:
                 sums = pipeline.eval_sums(batch, y, prec=prec, device_type=device.type)
-                loss_sum, correct, count = loss_sum + sums[0], correct + sums[1], count + sums[2]
-                continue
-            inputs = model_inputs(batch)
-            if head is not None:  # the chunked head: no (tokens x vocab) logits, as in training
+            elif head is not None:  # the chunked head: no (tokens x vocab) logits, as in training
                 with autocast(prec, device.type), head.eval_targets(y):
-                    sums = model(**inputs).logits.cpu()
-                loss_sum, correct, count = loss_sum + sums[0], correct + sums[1], count + sums[2]
-                continue
-            with autocast(prec, device.type):
-                logits = model(**inputs).logits
-            target = y[:, 1:]
-            mask = target != IGNORE_INDEX
-            logits = logits[:, :-1].float()
-            ce = nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-            )
-            loss_sum += ce.double().cpu()
-            correct += ((logits.argmax(-1) == target) & mask).sum().double().cpu()
-            count += mask.sum().double().cpu()
-            del logits, ce  # not held through the next batch's forward (the tp head's gather is wider)
+                    sums = model(**model_inputs(batch)).logits.cpu()
+            else:
+                with autocast(prec, device.type):
+                    logits = model(**model_inputs(batch)).logits
+                logits = logits[:, :-1].float()
+                sums = logit_sums(logits, y)
+                del logits  # not held through the next batch's forward (the tp head's gather is wider)
+            loss_sum, correct, count = loss_sum + sums[0], correct + sums[1], count + sums[2]
     reshard(model)
     if all_reduce is not None:
         loss_sum, correct, count = (all_reduce(t) for t in (loss_sum, correct, count))

@@ -104,7 +104,7 @@ def train_step(
     total = _accumulate(model, micro_batches, settings, update.scaler, tokens, hooks)
     if in_backward:  # every parameter was updated in backward, and its gradient freed: no optimizer phase
         norm = update.optimizer.grad_norm()
-        applied = _apply(update, hooks.decide, total, norm)
+        applied = apply_update(update, hooks.decide, total, norm)
         hooks.on_phase("end")
         return StepResult(loss=total, grad_norm=norm, tokens=tokens, applied=applied)
     hooks.on_phase("optimizer")
@@ -116,7 +116,7 @@ def train_step(
     if update.scaler is not None:
         update.scaler.unscale_(update.optimizer)
     norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm or float("inf"))
-    applied = _apply(update, hooks.decide, total, norm)
+    applied = apply_update(update, hooks.decide, total, norm)
     update.optimizer.zero_grad(set_to_none=True)
     hooks.on_phase("end")
     return StepResult(loss=total, grad_norm=norm, tokens=tokens, applied=applied)
@@ -141,7 +141,7 @@ def _accumulate(model, micro_batches, settings: StepSettings, scaler, tokens: in
     return total
 
 
-def _apply(update, decide, loss: torch.Tensor, norm: torch.Tensor) -> bool:
+def apply_update(update, decide, loss: torch.Tensor, norm: torch.Tensor) -> bool:
     """The guard's decision, then the optimizer (through the GradScaler) and the scheduler."""
     scaler = update.scaler
     scale = scaler.get_scale() if scaler is not None else None

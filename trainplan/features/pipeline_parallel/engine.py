@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from trainplan.features import pipeline_parallel
-from trainplan.run.data import IGNORE_INDEX
+from trainplan.run.evaluate import logit_sums
 from trainplan.run.loss import FusedLossHead, chunked_cross_entropy, chunked_eval_sums
-from trainplan.run.step import NO_HOOKS, StepHooks, StepResult, StepSettings, _apply, autocast, target_tokens
+from trainplan.run.step import NO_HOOKS, StepHooks, StepResult, StepSettings, apply_update, autocast, target_tokens
 from trainplan.spec.parallel import ParallelDims
 
 
@@ -125,7 +125,7 @@ class Pipeline:
         norm = squares.sqrt().float()
         if settings.max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(params, settings.max_grad_norm, norm)
-        applied = _apply(update, hooks.decide, loss, norm)
+        applied = apply_update(update, hooks.decide, loss, norm)
         update.optimizer.zero_grad(set_to_none=True)
         hooks.on_phase("end")
         return StepResult(loss=loss, grad_norm=norm, tokens=self._tokens, applied=applied)
@@ -136,10 +136,7 @@ class Pipeline:
         step meter is given, since they exist before the step it measures."""
         stage = self.schedule._stage
         infos = [*stage.args_recv_info.values(), *getattr(stage, "grad_recv_info", {}).values()]
-        found = {
-            r.buffer.data_ptr(): r.buffer for info in infos for r in info if getattr(r, "buffer", None) is not None
-        }
-        return list(found.values())
+        return [r.buffer for info in infos for r in info if getattr(r, "buffer", None) is not None]
 
     def eval_sums(self, batch: dict, labels: torch.Tensor, *, prec, device_type: str) -> torch.Tensor:
         """(loss sum, correct next-token predictions, target tokens) of one held-out batch, forward only
@@ -168,14 +165,7 @@ class Pipeline:
         head = self.model.lm_head
         if isinstance(head, FusedLossHead):
             return chunked_eval_sums(hidden, head.weight, labels, head.chunk_tokens).double().cpu()
-        logits = head(hidden)[:, :-1].float()
-        target = labels[:, 1:]
-        mask = target != IGNORE_INDEX
-        ce = nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-        correct = ((logits.argmax(-1) == target) & mask).sum()
-        return torch.stack([ce.double(), correct.double(), mask.sum().double()]).cpu()
+        return logit_sums(head(hidden)[:, :-1].float(), labels)
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
