@@ -257,3 +257,23 @@ def screenshot(tmp_path):
         return counts
 
     return shoot
+
+
+def torchrun_train(out, sets: list[str], nproc: int = 2) -> dict:
+    """`torchrun --standalone --nproc_per_node N -m trainplan train --set ...` into `out`; its run record."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    cmd += ["-m", "trainplan", "train", "--registry", "off"]
+    for item in [*sets, f"train.output_dir={out}"]:
+        cmd += ["--set", item]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads((out / "record.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def torchrun():
+    """torchrun_train: a multi-rank `trainplan train` and its record (tests marked multiprocess)."""
+    return torchrun_train

@@ -39,7 +39,30 @@ def job(**settings):
             "train.compile",
             "torch.compile with tensor parallelism",
         ),
-        ({"parallel.pp": 2, "hardware.gpus": "2xH100-80GB"}, True, "parallel.pp", "pipeline parallelism"),
+        (
+            {"parallel.pp": 2, "hardware.gpus": "2xH100-80GB"},
+            True,
+            "batch.grad_accum_steps",
+            "a pipeline with fewer micro-batches than stages",
+        ),
+        (
+            {"parallel.pp": 2, "batch.grad_accum_steps": 2, "hardware.gpus": "4xH100-80GB"},
+            True,
+            "parallel.pp",
+            "pipeline parallelism with data or tensor parallelism",
+        ),
+        (
+            {"parallel.pp": 2, "mode": "inference", "hardware.gpus": "2xH100-80GB"},
+            True,
+            "parallel.pp",
+            "inference through pipeline stages",
+        ),
+        (
+            {"parallel.pp": 2, "batch.grad_accum_steps": 2, "train.compile": True, "hardware.gpus": "2xH100-80GB"},
+            True,
+            "train.compile",
+            "torch.compile with pipeline parallelism",
+        ),
         ({"parallel.strategy": "zero2", "hardware.gpus": "2xH100-80GB"}, True, "parallel.strategy", "ZeRO-2"),
         (
             {"optim.name": "adamw-8bit", "parallel.strategy": "zero3", "hardware.gpus": "2xH100-80GB"},

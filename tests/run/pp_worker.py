@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 import transformers
 from safetensors.torch import load_file, save_file
 
-from trainplan.features.pipeline_parallel.engine import Pipeline
+from trainplan.features.pipeline_parallel.engine import Pipeline, cut
 from trainplan.run import evaluate, loss, measure, step
 from trainplan.run.checkpoint.format import _dcp_state
 from trainplan.spec.parallel import ParallelDims
@@ -31,7 +31,7 @@ def main(root: Path) -> None:
     loss.install(model, spec["chunk_tokens"])
     pp = dist.get_world_size()
     dims = ParallelDims(world_size=pp, dp=1, tp=1, pp=pp, strategy="single")
-    pipe = Pipeline(model, dims, rank, spec["accum"], "cpu")
+    pipe = Pipeline(cut(model, dims, dims.coords(rank)[0]), dims, rank, spec["accum"], "cpu")
     optimizer = step.build_optimizer(pipe.model, "adamw", "auto", spec["lr"], 0.0, "cpu")
     settings = step.StepSettings(prec=PRECISIONS["fp32"], device_type="cpu", max_grad_norm=spec["max_grad_norm"])
     batches = load_file(root / "batches.safetensors")
@@ -56,7 +56,7 @@ def main(root: Path) -> None:
     with meter:
         skipped = pipe.step(step.Update(optimizer), micro, settings, hooks=hooks)
     measured = [None] * dist.get_world_size()
-    dist.all_gather_object(measured, meter.result()["phases"]["forward"])
+    dist.all_gather_object(measured, meter.result()["phases"]["1f1b"])
     unchanged = all(torch.equal(v, before[k]) for k, v in pipe.model.state_dict().items())
     unchanged = torch.tensor(float(unchanged and not skipped.applied))
     dist.all_reduce(unchanged, op=dist.ReduceOp.MIN)

@@ -15,14 +15,17 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from trainplan import config as C
+from trainplan.commands.train import execute
 from trainplan.errors import NotRunnable
 from trainplan.features.pipeline_parallel import engine as pp
 from trainplan.plan import analytic
 from trainplan.run import evaluate, loss, step
 from trainplan.run.checkpoint.format import _load_dcp
 from trainplan.run.data import IGNORE_INDEX
+from trainplan.run.record import RunRecord
 from trainplan.spec.parallel import ParallelDims
 from trainplan.spec.precision import PRECISIONS
+from trainplan.verify import checks
 
 WORKER = Path(__file__).with_name("pp_worker.py")
 STEPS, ACCUM, ROWS, SEQ = 5, 4, 2, 32
@@ -124,10 +127,14 @@ def test_two_stages_of_1f1b_reproduce_one_process_accumulating_four_micro_batche
     ledger = analytic.plan(C.load(None, [], settings_of_run))
     planned = [dev.phases["forward"]["comm_buffers"] for dev in ledger.devices]
     assert doc["receive_buffers"] == planned == [ACCUM * ROWS * SEQ * 64 * 4] * 2
-    # the step meter, given the stage's receive buffers, measures them as the plan's comm_buffers. The
-    # stage's whole step is not yet within 5 % of its plan (docs/memory-model.md: stage 0 -7.7 % here)
+    # the step meter, given the stage's receive buffers, measures them as the plan's comm_buffers. The last
+    # stage's 1F1B step (its forwards and backwards interleaved) is within 5 % of the larger of its planned
+    # forward and backward; the first stage's is not yet: its activations hold about 15 hidden-sized
+    # tensors more than planned (-7.7 % of its step here, docs/memory-model.md)
     for stage, got in enumerate(doc["step_measured"]):
         assert got["comm_buffers"] == planned[stage]
+    want, got = checks.planned_phase(ledger.devices[1], "1f1b"), doc["step_measured"][1]
+    assert abs(sum(want.values()) - sum(got.values())) <= 0.05 * sum(got.values()), (want, got)
     assert doc["skip_changed_nothing"]  # a step the guard skipped left every stage's weights as they were
     # the held-out metric through the stages is run/evaluate.py's on the one process's model
     held_out = {k: batches[f"eval.{k}"] for k in keys}
@@ -165,3 +172,92 @@ def test_two_stages_of_1f1b_reproduce_one_process_accumulating_four_micro_batche
     assert float(after.grad_norm) == pytest.approx(float(ref.grad_norm), rel=1e-5)
     for (name, p), q in zip(resumed.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)  # the loaded Adam moments too
+
+
+# ---- `trainplan train` on pipeline stages ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def untied(tiny_run, tmp_path_factory) -> list[str]:
+    """The tiny run's Llama with 3 layers and a head of its own (stages cannot share a tied one), saved
+    with weights and the tokenizer; its settings: 4 micro-batches of one sequence a step (1F1B's
+    micro-batches), so 2 stages split the layers 2 + 1."""
+    root, base = tiny_run
+    out = tmp_path_factory.mktemp("untied")
+    config = {**json.loads((root / "config.json").read_text()), "num_hidden_layers": 3, "tie_word_embeddings": False}
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**config)).save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(root / "weights").save_pretrained(out)
+    micro = ["batch.micro_batch_size=1", "batch.grad_accum_steps=4", "optim.lr=3e-3"]
+    return [*base, f"model.source={out}", "model.init=auto", *micro]
+
+
+LORA = ["mode=lora", "lora.dropout=0.0", 'lora.target_modules=["all-linear"]']
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_train_on_two_stages_reproduces_one_process_and_each_stage_meets_its_plan(untied, tmp_path, torchrun, mode):
+    """`torchrun --nproc_per_node 2 -m trainplan train --set parallel.pp=2`: each rank builds and loads
+    only its stage (layers 0-1 with the embedding, layer 2 with the norm and the head), and 5 steps of
+    1F1B give one process's losses and gradient norms, its held-out metric and its result (transformers'
+    shards, one a stage; PEFT's one adapter file); each stage's measured step and phases are within 5 %
+    of its own plan, and the contract holds on each stage."""
+    sets = [*untied, "train.steps=5", *(LORA if mode == "lora" else ["mode=full"])]
+    one = execute(C.load(None, [*sets, f"train.output_dir={tmp_path / 'one'}"]), quiet=True)[0].to_json()
+    record = torchrun(tmp_path / "pp", [*sets, "parallel.pp=2"])
+    ran = record["hardware"]["ran"]
+    assert (ran["world_size"], ran["pp"], ran["stage_layers"]) == (2, 2, [[0, 1], [2]])
+    assert ran["lora_modules"] == (0 if mode == "full" else 7 * 2)  # a stage's adapters: its own layers'
+    assert record["contract"]["passed"] and record["contract"]["detail"].startswith("stage 0: ")
+    for key in ("loss", "grad_norm"):
+        assert [s[key] for s in record["steps"]] == pytest.approx([s[key] for s in one["steps"]], rel=1e-5), key
+    assert record["eval_after"]["loss"] == pytest.approx(one["eval_after"]["loss"], rel=1e-5)
+    check = checks.check_memory(RunRecord.from_json(record), analytic.plan(C.from_dict(record["config"])), 0.05)
+    assert check.passed, check.summary
+    phases = {(r["device"], r["phase"]) for r in check.evidence["rows"]}
+    assert {(f"rank {i} (cpu)", p) for i in (0, 1) for p in ("1f1b", "evaluate", "save")} <= phases
+    ours, theirs = (tmp_path / "pp" / "result", tmp_path / "one" / "result")
+    if mode == "full":
+        assert (ours / "model.safetensors.index.json").is_file()
+        got = transformers.AutoModelForCausalLM.from_pretrained(ours).state_dict()
+        want = transformers.AutoModelForCausalLM.from_pretrained(theirs).state_dict()
+    else:
+        got, want = load_file(ours / "adapter_model.safetensors"), load_file(theirs / "adapter_model.safetensors")
+    assert set(got) == set(want)
+    # (atol: where a head row's gradient is near 0, as for a token no target uses, Adam divides by a second
+    # moment near its eps, and the last bits of the 1F1B sum order become up to 1.4e-6 of the weight,
+    # against an update of 3e-3 a step)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_accept_on_two_stages_passes_and_its_checkpoint_resumes_on_one_process(untied, tmp_path):
+    """`trainplan accept --nproc 2 --set parallel.pp=2`: every check on the stages, its resume check
+    bitwise through a DCP checkpoint of each stage's weights and optimizer state (stage 0's param group
+    kept its own hyperparameters); that checkpoint then resumes on one process (pp 2 -> 1), whose two
+    remaining steps are the uninterrupted pipeline's."""
+    from trainplan import cli
+
+    sets = [*untied, "mode=full", "parallel.pp=2"]
+    argv = ["accept", *(x for s in sets for x in ("--set", s)), "--output-dir", str(tmp_path), "--nproc", "2"]
+    code = cli.main([*argv, "--resume-steps", "4", "--resume-at", "2", "--overfit-steps", "3", "--registry", "off"])
+    result = json.loads((tmp_path / "accept.json").read_text())
+    assert code == 0 and result["verdict"] == "PASS", result["failing"]
+    assert result["record"]["hardware"]["ran"]["pp"] == 2
+    resume = next(c for c in result["checks"] if c["key"] == "resume")["evidence"]
+    assert resume["max_deviation"] == {"loss": 0.0, "grad_norm": 0.0, "lr": 0.0}
+    (ckpt,) = (tmp_path / "resume" / "checkpoints").iterdir()
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["format"] == "dcp" and manifest["world_size"] == 2
+    one = ["parallel.pp=1", "hardware.gpus=cpu", "train.steps=4", f"checkpoint.dir={ckpt.parent}"]
+    one += ["checkpoint.resume=auto", f"train.output_dir={tmp_path / 'one'}"]
+    resumed = execute(C.load(tmp_path / "config.toml", one), quiet=True)[0].to_json()
+    uninterrupted = json.loads((tmp_path / "resume" / "uninterrupted" / "record.json").read_text())
+    assert resumed["resume"]["step"] == 2 and [s["step"] for s in resumed["steps"]] == [3, 4]
+    for key in ("loss", "grad_norm"):
+        want = [s[key] for s in uninterrupted["steps"][2:]]
+        assert [s[key] for s in resumed["steps"]] == pytest.approx(want, rel=1e-5), key

@@ -18,16 +18,6 @@ from trainplan.verify import checks
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
-def torchrun(out, sets, nproc=2) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd += ["-m", "trainplan", "train", "--registry", "off"]
-    for item in [*sets, f"train.output_dir={out}"]:
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads((out / "record.json").read_text())
-
-
 def pretrained(tiny_run, *extra) -> list[str]:
     root, base = tiny_run
     return [*base, f"model.source={root / 'weights'}", "model.init=auto", "train.steps=5", *extra]
@@ -42,7 +32,7 @@ def one_process(tiny_run, tmp_path_factory):
     )[0].to_json()
 
 
-def test_tp2_reproduces_one_process_and_each_rank_meets_its_plan(tiny_run, tmp_path, one_process):
+def test_tp2_reproduces_one_process_and_each_rank_meets_its_plan(tiny_run, tmp_path, one_process, torchrun):
     """tp 2: every rank holds half of each projection, the vocabulary split of the embedding and the
     head; the same 4 sequences a step give the one process's losses, and each rank's measured step
     is within 5 % of its own plan, component by component."""
@@ -60,7 +50,7 @@ def test_tp2_reproduces_one_process_and_each_rank_meets_its_plan(tiny_run, tmp_p
     assert len(per_rank) == 2 and all(m["placement"]["cpu"]["sharded"] > 0 for m in per_rank)
 
 
-def test_lora_under_tp2_reproduces_one_process_and_each_rank_meets_its_plan(tiny_run, tmp_path):
+def test_lora_under_tp2_reproduces_one_process_and_each_rank_meets_its_plan(tiny_run, tmp_path, torchrun):
     """LoRA beside the split: A whole and B split by output on q/k/v/gate/up, A split by input and B whole
     on o/down; the adapters start as one process's (the whole matrix drawn, each rank's box kept), so
     the losses are one process's; the frozen base stays frozen and each rank meets its plan."""
@@ -76,7 +66,7 @@ def test_lora_under_tp2_reproduces_one_process_and_each_rank_meets_its_plan(tiny
     assert check.passed, check.summary
 
 
-def test_2d_fsdp2_over_tp_on_four_ranks_reproduces_one_process(tiny_run, tmp_path, one_process):
+def test_2d_fsdp2_over_tp_on_four_ranks_reproduces_one_process(tiny_run, tmp_path, one_process, torchrun):
     """dp 2 x tp 2 (FSDP2 on the data-parallel axis of a (dp, tp) mesh): 2 sequences a replica, the
     one process's 4 a step, the same losses. Its per-rank memory is not asserted: on gloo, FSDP2's
     asynchronous all-gathers free their buffers at varying moments, and of four runs on 2026-12-06 two

@@ -85,6 +85,7 @@ def rung_blocker(cfg: C.RunConfig, r: Rung, spec: ModelSpec, devices: list[Devic
             max_positions=spec.max_position_embeddings,
             cuda=all(d.is_gpu for d in devices),
             model_type=spec.model_type,
+            tied=spec.tie_word_embeddings,
         )
     except NotRunnable as e:
         return e.what

@@ -384,8 +384,8 @@ class BatchConfig:
 @dataclass(kw_only=True)
 class ParallelConfig:
     strategy: str = "ddp"  # how data-parallel replicas share state; irrelevant at dp=1
-    tp: int = 1  # tensor-parallel degree (plan only; train runs tp = 1)
-    pp: int = 1  # pipeline-parallel degree (plan only; train runs pp = 1)
+    tp: int = 1  # tensor-parallel degree (train runs it alone and 2-D under FSDP2)
+    pp: int = 1  # pipeline-parallel degree (train runs it alone: every rank a stage)
     # parameter shards, gradients and the optimizer step in host memory (FSDP2 CPUOffloadPolicy; planned as
     # ZeRO-Offload for ddp / zero1 / zero2, which train refuses)
     offload_optimizer: bool = False

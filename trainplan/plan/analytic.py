@@ -204,11 +204,13 @@ def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedg
         optimizer_temp=opt.temp,
         activations=Bytes(("the batch's ids and labels, still referenced", 2 * ctx.tokens * 8)),
         buffers=buffers,
+        comm_buffers=comm.steady,  # a pipeline stage keeps its receive buffers for the run
     )
     evaluate, explain["evaluate"] = lifecycle.evaluate(ctx, weights, copies, adapter, grads, opt, buffers, comm)
     explain["save"] = fixed.save_note
+    save = PhaseBill(fixed.save, comm_buffers=comm.steady) if comm.steady else fixed.save
     bill = StepBill(
-        phases={"load": load, "forward": forward, "optimizer": optimizer, "evaluate": evaluate, "save": fixed.save},
+        phases={"load": load, "forward": forward, "optimizer": optimizer, "evaluate": evaluate, "save": save},
         moments=tuple(backward_moments(ctx, backward_start, adapter, grads, acts, comm)),
     )
     terms = T.RankTerms(weights, copies, adapter, grads, opt, acts, loss, comm)
@@ -396,14 +398,10 @@ def runnable(r: Resolved) -> dict:
     from trainplan.errors import NotRunnable
     from trainplan.resolve import require_runnable
 
+    spec, cuda = r.spec, all(d.is_gpu for d in r.devices)
+    where = {"max_positions": spec.max_position_embeddings, "model_type": spec.model_type}
     try:
-        require_runnable(
-            r.cfg,
-            r.dims,
-            max_positions=r.spec.max_position_embeddings,
-            cuda=all(d.is_gpu for d in r.devices),
-            model_type=r.spec.model_type,
-        )
+        require_runnable(r.cfg, r.dims, cuda=cuda, tied=spec.tie_word_embeddings, **where)
     except NotRunnable as e:
         return {"ok": False, "why": str(e), "field": e.field}
     return {"ok": True, "why": ""}

@@ -14,6 +14,7 @@ from trainplan.errors import TrainplanError
 from trainplan.features.activation_offload import engine as activation_offload
 from trainplan.features.checkpointing import engine as checkpointing
 from trainplan.features.lora import engine as lora
+from trainplan.features.pipeline_parallel import engine as pipeline_parallel
 from trainplan.features.qlora import engine as qlora
 from trainplan.features.sharding import engine as sharding
 from trainplan.features.tensor_parallel import engine as tensor_parallel
@@ -69,6 +70,7 @@ CONVERTERS = (
     ("checkpointing", checkpointing.apply),
     ("activation offload", activation_offload.apply),
     ("train mode", _train_mode),
+    ("pipeline stage (the pp cut)", pipeline_parallel.apply),
     ("tensor parallel (the tp split)", tensor_parallel.apply),
     ("sharding (FSDP2, optimizer offload)", sharding.apply),
 )
@@ -81,9 +83,11 @@ def build_model(
     *,
     dims: ParallelDims | None = None,
     mesh=None,
+    stage: int = 0,
     allow_cpu: bool = False,
 ) -> nn.Module:
-    """The model on the meta device, with every converter of CONVERTERS applied in order.
+    """The model on the meta device, with every converter of CONVERTERS applied in order (stage: this
+    rank's pipeline stage, where dims has pp > 1).
 
     Materialize it with `materialize` (real tensors) or inside a fake mode (the tracer).
     allow_cpu: build qlora without CUDA, on bitsandbytes' CPU backend (tests only).
@@ -99,7 +103,7 @@ def build_model(
         model = transformers.AutoModelForCausalLM.from_config(
             hf_config(spec, cfg), dtype=dt.param if cfg.mode == "full" else dt.frozen
         )
-    build = Build(spec=spec, cfg=cfg, prec=prec, dims=dims, mesh=mesh)
+    build = Build(spec=spec, cfg=cfg, prec=prec, dims=dims, mesh=mesh, stage=stage)
     for _, convert in CONVERTERS:
         model = convert(model, build)
     return model
@@ -130,11 +134,20 @@ def allocate(model: nn.Module, device: torch.device | str) -> nn.Module:
     return model
 
 
+def adapter_generator(seed: int, name: str) -> torch.Generator:
+    """An adapter matrix's own generator, from the run's seed and the matrix's name: its values do not
+    depend on which other adapters the rank holds (a pipeline stage holds its own layers' only)."""
+    import zlib
+
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+
+
 def _init_adapter(p: nn.Parameter, generator: torch.Generator, *, zero: bool) -> None:
     """PEFT's init of one adapter matrix (A Kaiming-uniform, B zero), the same whatever the layout: the
-    whole matrix is drawn on the host from the adapters' own generator (seeded by the run's seed, so
-    neither the base's init nor the device changes it) and a sharded parameter (FSDP2, tp) keeps its
-    own box. A tp or FSDP2 run starts from the adapters one process starts from."""
+    whole matrix is drawn on the host from its own generator (`adapter_generator`: the run's seed and its
+    name, so neither the base's init, the device nor the other adapters change it) and a sharded
+    parameter (FSDP2, tp) keeps its own box. A tp, FSDP2 or pipeline run starts from the adapters one
+    process starts from."""
     from trainplan import _torch_private as P
 
     if zero or P.is_fake(p):  # the trace's fake tensors: any values
@@ -158,10 +171,10 @@ def materialize(model: nn.Module, device: torch.device | str, *, quantize: bool 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     with torch.no_grad():
         base.init_weights()
-        adapters = torch.Generator().manual_seed(torch.initial_seed())
+        seed = torch.initial_seed()
         for name, p in model.named_parameters():
             if "lora_" in name:  # PEFT's own init: A random, B zero
-                _init_adapter(p, adapters, zero="lora_B" in name)
+                _init_adapter(p, adapter_generator(seed, name), zero="lora_B" in name)
     if quantize and qlora.is_4bit(model):
         qlora.quantize(model, device)
     return model

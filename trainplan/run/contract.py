@@ -94,3 +94,15 @@ def check(
     return ContractResult(
         mode=mode, passed=ok, detail=detail, changed=len(changed), unchanged=len(after) - len(changed)
     )
+
+
+def of_stages(results: list[ContractResult]) -> ContractResult:
+    """The contract of a pipeline's model from each stage's own (in stage order): it holds when it holds
+    on every stage, whose tensors are disjoint, so their counts add up."""
+    return ContractResult(
+        mode=results[0].mode,
+        passed=all(r.passed for r in results),
+        detail="; ".join(f"stage {i}: {r.detail}" for i, r in enumerate(results)),
+        changed=sum(r.changed for r in results),
+        unchanged=sum(r.unchanged for r in results),
+    )

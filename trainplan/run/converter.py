@@ -50,3 +50,4 @@ class Build:
     prec: Precision
     dims: ParallelDims | None
     mesh: Any
+    stage: int = 0  # this rank's pipeline stage (dims.pp > 1)

@@ -111,6 +111,8 @@ def _conclude(trainer: Trainer, cfg: C.RunConfig, env: dist.DistEnv, t_start: fl
     check = contract.check(
         cfg.mode, trainer.model, trainer.before, optimizer=optimizer, updates=updates, held_out_loss=held_out
     )
+    if trainer.stages is not None:
+        check = contract.of_stages(env.gather(check))
     rec.contract = check.to_json()
     rec.wall_seconds = time.perf_counter() - t_start
     return rec
@@ -126,6 +128,12 @@ class Trainer:
         self.progress = progress or Progress.off()
         self.trackers = trackers or Trackers()
         self.model = dist.wrap(job.model, job.resolved.dims, job.env) if job.training else job.model
+        self.pipeline = None  # pipeline parallelism: this rank's stage and its 1F1B schedule
+        if features.pipeline_parallel.active(job.resolved):
+            from trainplan.features.pipeline_parallel.engine import Pipeline
+
+            r = job.resolved
+            self.pipeline = Pipeline(self.model, r.dims, job.env.rank, r.batch.grad_accum_steps, job.env.device)
         self.before = contract.snapshot(self.model)
         self.record = record.header(job)
         self.state: TrainState | None = None
@@ -138,14 +146,27 @@ class Trainer:
             max_grad_norm=job.cfg.train.max_grad_norm,
             grad_scale=float(job.env.dp),
         )
-        self.record.hardware["ran"] = record.as_run(self.model, None, self.settings.prec.compute_dtype)
+        self.record.hardware["ran"] = self._as_run(None)
+
+    @property
+    def stages(self) -> dist.DistEnv | None:
+        """The process group of the pipeline's stages (None: no pipeline)."""
+        return self.env if self.pipeline is not None else None
+
+    def _as_run(self, optimizer) -> dict:
+        ran = record.as_run(self.model, optimizer, self.settings.prec.compute_dtype)
+        if self.pipeline is not None:  # each stage's own decoder layers, read back from its model
+            ran["pp"] = self.pipeline.dims.pp
+            ran["stage_layers"] = self.env.gather(self.pipeline.layers())
+        return ran
 
     def _meter(self, phase: str):
         """A PhaseMeter that records its peak under `phase` (no-op unless memory is measured)."""
         if not self.job.cfg.train.measure_memory:
             return contextlib.nullcontext()
         optimizer = self.state.optimizer if self.state else None
-        meter = measure.PhaseMeter(self.env.device, self.model, optimizer)
+        comm = self.pipeline.receive_buffers() if self.pipeline else ()
+        meter = measure.PhaseMeter(self.env.device, self.model, optimizer, comm=comm)
 
         @contextlib.contextmanager
         def recording():
@@ -176,8 +197,9 @@ class Trainer:
             max_batches=job.cfg.train.eval_batches,
             prec=job.resolved.precision,
             device=self.env.device,
-            all_reduce=self.env.all_reduce_sum if self.env.world > 1 else None,
+            all_reduce=self.env.all_reduce_sum if self.env.world > 1 and self.pipeline is None else None,
             training_run=job.training,
+            pipeline=self.pipeline,
         )
 
     def infer(self) -> None:
@@ -201,7 +223,7 @@ class Trainer:
         """The loop: a step, then what the callbacks (run/callbacks.py) do around it, until the last step."""
         cfg, rec = self.job.cfg, self.record
         state = self.state = train_state(self.job, self.model)
-        rec.hardware["ran"] = record.as_run(self.model, state.optimizer, self.settings.prec.compute_dtype)
+        rec.hardware["ran"] = self._as_run(state.optimizer)
         ckpt = CheckpointManager(self.job.resolved, self.env, self.model)
         rec.resume = ckpt.maybe_resume(state, self.model)
         fixed = [state.sampler.take(self.job.resolved.batch.micro_batch_size) for _ in range(cfg.train.overfit_batches)]
@@ -230,11 +252,13 @@ class Trainer:
             stage.result = f"at step {state.step}/{cfg.train.steps}, {state.tokens_seen:,} tokens seen"
         rec.sampler = state.sampler.state_dict()
         rec.skipped_samples = list(state.sampler.skipped)
-        rec.final = record.fingerprints(self.model, state, self.job.resolved.batch)
+        rec.final = record.fingerprints(self.model, state, self.job.resolved.batch, stages=self.stages)
         out = Path(cfg.train.output_dir)
         with self.progress.stage("save", f"the {cfg.mode} result to {out / result.DIRNAME}"), self._meter("save"):
             base = weights.base_reference(cfg)
-            rec.result = result.save(self.model, self.job.tokenizer, cfg.mode, out, self.env, base_model=base)
+            rec.result = result.save(
+                self.model, self.job.tokenizer, cfg.mode, out, self.env, base_model=base, staged=self.stages is not None
+            )
 
     def callbacks(
         self, interrupts: Interrupts, ckpt: CheckpointManager, guard: StepGuard, start: int, *, sampled: bool
@@ -300,7 +324,12 @@ class Trainer:
         if metered:
             inputs = [t for mb in micro for t in mb.values()]
             meter = measure.step_meter(features.torch_compile.active(job.resolved))(
-                self.model, state.optimizer, inputs, env.device, lora=features.lora.on(job.cfg)
+                self.model,
+                state.optimizer,
+                inputs,
+                env.device,
+                lora=features.lora.on(job.cfg),
+                comm=self.pipeline.receive_buffers() if self.pipeline else (),
             )
         guard.begin(state.step + 1, ids)
         hooks = step.StepHooks(on_phase=meter.on_phase if meter else lambda phase: None, decide=guard, inject=inject)
@@ -308,7 +337,10 @@ class Trainer:
         if moved is not None:
             moved.reset_peak()
         with meter or contextlib.nullcontext():
-            res = step.train_step(self.model, state, micro, self.settings, token_count=tokens, hooks=hooks)
+            if self.pipeline is not None:  # 1F1B through the stages: every rank takes the same micro-batches
+                res = self.pipeline.step(state, micro, self.settings, hooks=hooks)
+            else:
+                res = step.train_step(self.model, state, micro, self.settings, token_count=tokens, hooks=hooks)
         measured_peaks = None
         if meter is not None:
             measured = meter.result()

@@ -144,7 +144,7 @@ class CompiledStepMeter:
     bypass the dispatcher, not the allocator), from what is live as the step starts (parameters,
     buffers, gradients, optimizer state, the batch)."""
 
-    def __init__(self, model: nn.Module, optimizer, inputs, device: torch.device, *, lora: bool) -> None:
+    def __init__(self, model: nn.Module, optimizer, inputs, device: torch.device, *, lora: bool, comm=()) -> None:
         from trainplan import _torch_private as P
 
         self.model, self.device = model, device
@@ -248,9 +248,10 @@ class PhaseMeter:
     Absolute, like the plan's phase totals: on CUDA the allocator's max_memory_allocated (reset on
     entry); elsewhere the storage tracker, with the model's parameters, buffers, gradients and the
     optimizer's state registered first, and DDP's gradient buckets added. What is not a torch
-    storage (safetensors' serialized bytes, Python objects) is in neither."""
+    storage (safetensors' serialized bytes, Python objects) is in neither. comm: buffers held beside
+    the model (a pipeline stage's receive buffers)."""
 
-    def __init__(self, device: torch.device, model: nn.Module | None = None, optimizer=None) -> None:
+    def __init__(self, device: torch.device, model: nn.Module | None = None, optimizer=None, comm=()) -> None:
         from trainplan import _torch_private as P
 
         self.device = device
@@ -260,7 +261,7 @@ class PhaseMeter:
         if device.type != "cuda":
             self.tracker = P.StorageTracker()
             if model is not None:
-                self.tracker.track(getattr(model, "module", model), optimizer)
+                self.tracker.track(getattr(model, "module", model), optimizer, comm=comm)
                 self.outside = P.ddp_bucket_bytes(model)
 
     def __enter__(self) -> PhaseMeter:

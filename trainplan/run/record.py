@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import os
 import platform
@@ -243,24 +244,39 @@ def _tp_degree(model: torch.nn.Module) -> int:
     return 1
 
 
-def state_hashes(model, optimizer) -> dict:
-    """Hashes of the whole trainable weights and optimizer state, independent of the sharding."""
+def state_hashes(model, optimizer, *, stages: dist.DistEnv | None = None) -> dict:
+    """Hashes of the whole trainable weights and optimizer state, independent of the sharding.
+
+    stages: pipeline stages, each holding its own tensors: every stage's hashes, hashed in stage order
+    (a collective), so the hash covers the whole model; equal only on the same stage split."""
     base = getattr(model, "module", model)
     size = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
     if size > FINGERPRINT_LIMIT:
-        return {"weights_hash": None, "optimizer_hash": None}
-    opt_hash = None if hasattr(optimizer, "consolidate_state_dict") else checkpoint.optimizer_hash(optimizer)
+        hashes = {"weights_hash": None, "optimizer_hash": None}
+    else:
+        opt_hash = None if hasattr(optimizer, "consolidate_state_dict") else checkpoint.optimizer_hash(optimizer)
+        hashes = {
+            "weights_hash": checkpoint.tensor_hash(sorted(checkpoint.trainable_state(base).items())),
+            "optimizer_hash": opt_hash,
+        }
+    if stages is None:
+        return hashes
+    every = stages.gather(hashes)
     return {
-        "weights_hash": checkpoint.tensor_hash(sorted(checkpoint.trainable_state(base).items())),
-        "optimizer_hash": opt_hash,
+        k: None
+        if any(h[k] is None for h in every)
+        else hashlib.sha256("|".join(h[k] for h in every).encode()).hexdigest()[:32]
+        for k in hashes
     }
 
 
-def fingerprints(model, state, batch) -> dict:
-    """What a resumed run must reproduce: weights, optimizer state, and the next batch's samples."""
+def fingerprints(model, state, batch, *, stages: dist.DistEnv | None = None) -> dict:
+    """What a resumed run must reproduce: weights, optimizer state, and the next batch's samples
+    (stages: pipeline stages, `state_hashes`)."""
     upcoming = copy.deepcopy(state.sampler).take(batch.micro_batch_size * batch.grad_accum_steps)
+    hashes = state_hashes(model, state.optimizer, stages=stages)
     return {
-        **state_hashes(model, state.optimizer),
+        **hashes,
         "next_batch": upcoming,
         "scheduler_step": state.scheduler.last_epoch,
     }

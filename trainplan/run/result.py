@@ -6,7 +6,9 @@
 | full        | config.json + model*.safetensors (sharded above 5 GB)   | AutoModelForCausalLM.from_pretrained(path)   |
 
 Checkpoints (run/checkpoint/) resume a run; the result is what the run produced, for whoever uses
-it next. Under FSDP every rank takes part in gathering the full tensors; the main rank writes.
+it next. Under FSDP every rank takes part in gathering the full tensors and the main rank writes; a
+pipeline's stages each write their own tensors (under their whole-model names: full fine-tuning,
+transformers' shard of the model; an adapter, a part the main rank merges).
 The directory is written beside its final place and renamed, so a crash leaves no half result.
 """
 
@@ -46,22 +48,44 @@ def _full_state_dict(model: nn.Module, *, trainable_only: bool, main: bool) -> d
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save(model: nn.Module, tokenizer, mode: str, out_dir: Path, env: dist.DistEnv, *, base_model: str | None) -> dict:
+def save(
+    model: nn.Module,
+    tokenizer,
+    mode: str,
+    out_dir: Path,
+    env: dist.DistEnv,
+    *,
+    base_model: str | None,
+    staged: bool = False,
+) -> dict:
     """Write the result of a training run; returns what the run record keeps of it. `base_model`: where
     the base weights load from (run/weights.py `base_reference`), named in an adapter's config so that
-    PEFT alone finds it; None for random weights."""
+    PEFT alone finds it; None for random weights. staged: every rank holds a pipeline stage."""
     base = getattr(model, "module", model)  # DDP's wrapper holds the model itself
     adapter = mode in lora.ADAPTER_MODES
-    state = _full_state_dict(base, trainable_only=adapter, main=env.is_main)
     final = Path(out_dir) / DIRNAME
+    tmp = final.with_name(f".{DIRNAME}.tmp")
+    if staged:  # every stage writes its own tensors beside the main rank's: nothing is gathered
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        env.barrier()
+        parts = env.gather(_write_stage(base, adapter, tmp, env))
+        state = _full_state_dict(base, trainable_only=True, main=True) if adapter else {}  # the main rank's own
+        if env.is_main and not adapter:
+            _write_index(base, tmp, parts)
+    else:
+        state = _full_state_dict(base, trainable_only=adapter, main=env.is_main)
     if env.is_main:
-        tmp = final.with_name(f".{DIRNAME}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not staged:
+            shutil.rmtree(tmp, ignore_errors=True)
         if adapter:  # PEFT names and filters the adapter's keys itself
             for config in base.peft_config.values():  # built from a config on the meta device: no name yet
                 config.base_model_name_or_path = base_model
             base.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        else:
+            if staged:  # PEFT wrote the main rank's stage: the adapter file is every stage's
+                _merge_parts(tmp, parts)
+        elif not staged:
             base.save_pretrained(tmp, state_dict=state, safe_serialization=True, max_shard_size=MAX_SHARD_SIZE)
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
@@ -76,6 +100,55 @@ def save(model: nn.Module, tokenizer, mode: str, out_dir: Path, env: dist.DistEn
         "loads_with": _loads_with(adapter, base_model),
         "files": files,
     }
+
+
+def _write_stage(base: nn.Module, adapter: bool, tmp: Path, env: dist.DistEnv) -> tuple[str, list[str], int]:
+    """This pipeline stage's tensors, copied to the host a tensor at a time and written to its own file in
+    `tmp`: transformers' shard of the whole model (full), or its adapters under the names PEFT gives them
+    in its file, which the main rank merges (PEFT names them from the modules it holds, so each stage
+    names its own). Returns (file name, tensor names, bytes)."""
+    from safetensors.torch import save_file
+
+    if adapter:
+        from peft import get_peft_model_state_dict
+
+        trainable = _full_state_dict(base, trainable_only=True, main=True)
+        own = get_peft_model_state_dict(base, state_dict=trainable)
+    else:
+        own = base.state_dict()
+    host = {k: v.detach().contiguous().cpu() for k, v in own.items()}
+    name = (
+        f"stage-{env.rank:05d}.safetensors" if adapter else f"model-{env.rank + 1:05d}-of-{env.world:05d}.safetensors"
+    )
+    save_file(host, str(tmp / name), metadata={"format": "pt"})
+    return name, sorted(host), sum(t.numel() * t.element_size() for t in host.values())
+
+
+def _merge_parts(tmp: Path, parts: list[tuple[str, list[str], int]]) -> None:
+    """PEFT's adapter file from every stage's part (the part files are removed)."""
+    from safetensors.torch import load_file, save_file
+
+    state: dict[str, torch.Tensor] = {}
+    for name, _, _ in parts:
+        state.update(load_file(str(tmp / name)))
+        (tmp / name).unlink()
+    save_file(state, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def _write_index(base: nn.Module, tmp: Path, parts: list[tuple[str, list[str], int]]) -> None:
+    """transformers' sharded layout over the stages' shards: model.safetensors.index.json, the config
+    and the generation config, as save_pretrained writes them."""
+    weight_map = {key: name for name, keys, _ in parts for key in keys}
+    if len(weight_map) != sum(len(keys) for _, keys, _ in parts):  # internal: the cut gives a tensor one stage
+        raise AssertionError("two pipeline stages hold the same tensor")
+    index = {
+        "metadata": {"total_size": sum(size for _, _, size in parts)},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    write_atomic(tmp / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
+    base.config.save_pretrained(tmp)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(tmp)
 
 
 def _loads_with(adapter: bool, base_model: str | None) -> str:

@@ -118,6 +118,7 @@ def prepare(
         max_positions=r.spec.max_position_embeddings,
         cuda=env.device.type == "cuda",
         model_type=r.spec.model_type,
+        tied=r.spec.tie_word_embeddings,
     )
     compute = r.precision.compute_dtype
     if env.device.type == "cpu" and compute != "fp32" and env.is_main and not cpu_native_16bit(compute):
@@ -195,9 +196,25 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, l
         steps = data.steps_for_epochs(cfg.train.epochs, train.ids.shape[0], r.batch.global_batch_size)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
     mesh = dist.mesh(env, r.dims) if r.dims.shards_params or features.tensor_parallel.active(r) else None
+    staged = features.pipeline_parallel.active(r)  # each rank builds and loads its own stage only
+    if staged and train.lengths is not None:
+        raise ConfigError(
+            "data.packing",
+            "one document a row gives every micro-batch its own width, and a pipeline's stages exchange "
+            "buffers of one fixed shape",
+            'set data.packing = "document" (or "concat") with parallel.pp',
+        )
     meter = measure.PhaseMeter(env.device) if cfg.train.measure_memory else None
     with progress.stage("load weights", cfg.model.source), meter or contextlib.nullcontext():
-        model = weights.load_model(cfg, r.spec, r.precision, env.device, dims=r.dims if mesh else None, mesh=mesh)
+        model = weights.load_model(
+            cfg,
+            r.spec,
+            r.precision,
+            env.device,
+            dims=r.dims if mesh or staged else None,
+            mesh=mesh,
+            stage=r.dims.coords(env.rank)[0],
+        )
     if features.torch_compile.active(r):  # compiled lazily, by the first step (the record's compile.seconds)
         torch_compile.compile_layers(model)
     return Job(

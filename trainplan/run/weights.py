@@ -175,12 +175,14 @@ def load_model(
     *,
     dims=None,
     mesh=None,
+    stage: int = 0,
     allow_cpu: bool = False,
 ) -> nn.Module:
     """Build through run/build.py, then load pretrained weights or initialize randomly.
 
+    stage: this rank's pipeline stage (dims.pp > 1): only its tensors are built and loaded.
     allow_cpu: qlora on bitsandbytes' CPU backend (tests only)."""
-    model = build.build_model(spec, cfg, prec, dims=dims, mesh=mesh, allow_cpu=allow_cpu)
+    model = build.build_model(spec, cfg, prec, dims=dims, mesh=mesh, stage=stage, allow_cpu=allow_cpu)
     if features.optimizer_offload.on_host(dims):  # FSDP2's CPUOffloadPolicy: parameters on the host, buffers not
         return build.buffers_to(_load_model(model, cfg, spec, torch.device("cpu")), device)
     return _load_model(model, cfg, spec, device)

@@ -57,6 +57,18 @@ def _row(device: str, phase: str, component: str, components: list, planned: int
     }
 
 
+# A pipeline stage's 1F1B step interleaves its micro-batches' forwards and backwards: one measured phase
+# (features/pipeline_parallel/engine.py), planned as the larger of the plan's forward and backward.
+INTERLEAVED = {"1f1b": ("forward", "backward")}
+
+
+def planned_phase(dev, phase: str) -> dict:
+    """The plan's components of a measured phase on one device."""
+    if phase in INTERLEAVED:
+        return dev.phases.get(max(INTERLEAVED[phase], key=dev.phase_total), {})
+    return dev.phases.get(phase, {})
+
+
 def compare_memory(ledger, measured: list[dict], tolerance: float) -> tuple[list[dict], list[dict]]:
     """Rows per device, phase and component group: plan, measured, abs and relative error.
 
@@ -69,7 +81,7 @@ def compare_memory(ledger, measured: list[dict], tolerance: float) -> tuple[list
         peak = m["peak_bytes"]
         label = f"rank {rank} ({m['device']})"
         for phase, got in m["phases"].items():
-            want = dev.phases.get(phase, {})
+            want = planned_phase(dev, phase)
             # a compiled step is measured as totals (run/measure.py CompiledStepMeter)
             groups = [("total", None)] if set(got) == {"total"} else [*GROUPS.items(), ("total", None)]
             for group, comps in groups:

@@ -3,10 +3,11 @@ ParallelDims.stage_layers (an even split, earlier stages take the remainder), th
 first stage, the final norm, the head and the loss on the last, run by torch.distributed.pipelining's
 1F1B schedule with the accumulation window's micro-batches as its micro-batches.
 
-The planner plans every layout with pp; the engine's stage split and schedule (engine.py) reproduce one
-process's losses on gloo (tests/run/test_pipeline_parallel.py), and `trainplan train` does not run them
-yet: what it lacks is the run around the step (held-out evaluation through the stages, the result saved
-from every stage, the checkpoint and the memory meter per stage)."""
+The planner plans every layout with pp. `trainplan train` runs pp alone (dp = tp = 1: every rank a
+stage) for full fine-tuning and LoRA on Llama models with an untied head: the model is cut to the
+rank's stage before its weights load (engine.py `apply`), the step, the held-out metric, the
+checkpoint (DCP, each stage its own tensors) and the result (gathered on the main rank) go through the
+stages (tests/run/test_pipeline_parallel.py). What it does not run beside pp is refused by name below."""
 
 from __future__ import annotations
 
@@ -37,13 +38,66 @@ def refuse(r: Resolved) -> None:
 
 
 def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
-    if dims.pp > 1:
+    if dims.pp == 1:
+        return
+    from trainplan.features import activation_offload, optim8bit, optimizer_offload, qlora, step_in_backward
+    from trainplan.spec.parallel import resolve_batch
+    from trainplan.spec.precision import PRECISIONS
+
+    if cfg.mode == "inference":
         raise NotRunnable(
             "parallel.pp",
-            "the training engine runs data and tensor parallelism (DDP, ZeRO-1, FSDP2, tp); pipeline stages "
-            "are planned, not run",
-            "set parallel.pp = 1 for `trainplan train`",
-            what="pipeline parallelism",
+            "the engine's pipeline runs training steps; inference (generation through the stages) is planned, not run",
+            "set parallel.pp = 1 for inference",
+            what="inference through pipeline stages",
+        )
+    if dims.dp > 1 or dims.tp > 1 or dims.shards_params:
+        raise NotRunnable(
+            "parallel.pp",
+            f"the engine runs pipeline stages alone (every rank a stage), and this layout is {dims.describe()}",
+            "set parallel.pp = 1, or make every rank a stage (parallel.pp = the number of devices, parallel.tp = 1, "
+            "no FSDP strategy)",
+            what="pipeline parallelism with data or tensor parallelism",
+        )
+    if cfg.mode != "full" and cfg.model.init == "random":
+        raise NotRunnable(
+            "model.init",
+            "each stage draws its own random base, unlike one process; an adapter checkpoint holds no base, so "
+            "resumed on another layout it would continue on another base",
+            'give the run pretrained weights (model.source with weights), or use mode = "full" with parallel.pp',
+            what="LoRA on a random base with pipeline parallelism",
+        )
+    off = "turn it off with parallel.pp, or set parallel.pp = 1"
+    untried = [
+        ("run.mode", "QLoRA's 4-bit base", qlora.on(cfg), 'use mode = "lora" with parallel.pp, or parallel.pp = 1'),
+        ("optim.name", "8-bit AdamW", optim8bit.on(cfg), 'use optim.name = "adamw" with parallel.pp'),
+        ("parallel.offload_optimizer", "optimizer offload", optimizer_offload.on(cfg), off),
+        ("memory.offload_activations", "activation offload", activation_offload.on(cfg), off),
+        ("train.step_in_backward", "the optimizer step in backward", step_in_backward.on(cfg), off),
+        ("train.largest_batch_first", "the largest-batch probe", cfg.train.largest_batch_first, off),
+        (
+            "run.precision",
+            "fp16 loss scaling",
+            cfg.precision != "auto" and PRECISIONS[cfg.precision].loss_scaling,
+            'use precision = "amp-bf16" (or "fp32") with parallel.pp',
+        ),
+    ]
+    for field, what, on_, fix in untried:
+        if on_:
+            raise NotRunnable(
+                field,
+                f"{what} under pipeline parallelism is planned, and the engine does not run the two together",
+                fix,
+                what=f"{what} with pipeline parallelism",
+            )
+    accum = resolve_batch(cfg.batch, dims.dp).grad_accum_steps
+    if accum < dims.pp:
+        raise NotRunnable(
+            "batch.grad_accum_steps",
+            f"1F1B runs the accumulation window's micro-batches through the stages, and {accum} micro-batch(es) "
+            f"cannot fill {dims.pp} stages (torch's Schedule1F1B needs at least one a stage)",
+            f"set batch.grad_accum_steps >= {dims.pp}",
+            what="a pipeline with fewer micro-batches than stages",
         )
 
 

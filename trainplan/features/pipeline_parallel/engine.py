@@ -18,26 +18,42 @@ import torch
 from torch import nn
 
 from trainplan.features import pipeline_parallel
+from trainplan.run.converter import Build
 from trainplan.run.evaluate import logit_sums
 from trainplan.run.loss import FusedLossHead, chunked_cross_entropy, chunked_eval_sums
 from trainplan.run.step import NO_HOOKS, StepHooks, StepResult, StepSettings, apply_update, autocast, target_tokens
 from trainplan.spec.parallel import ParallelDims
 
 
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers causal LM inside a model (PEFT's LoRA wraps it)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def cut(model: nn.Module, dims: ParallelDims, stage: int) -> nn.Module:
-    """Keep stage `stage`'s part of a causal LM (transformers' LlamaForCausalLM layout), in place."""
-    config = model.config
+    """Keep stage `stage`'s part of a causal LM (transformers' LlamaForCausalLM layout, under PEFT's
+    LoRA too), in place; on the meta device before the weights load, so a rank allocates only its stage."""
+    lm = causal_lm(model)
+    config = lm.config
     tied = bool(getattr(config, "tie_word_embeddings", False))
     pipeline_parallel.runnable_model(config.model_type, tied=tied)
-    base = model.model
+    base = lm.model
     layers = dims.stage_layers(stage, len(base.layers))
     base.layers = nn.ModuleDict({str(i): base.layers[i] for i in layers})
     if stage > 0:
         base.embed_tokens = None
     if stage < dims.pp - 1:
         base.norm = None
-        model.lm_head = None
+        lm.lm_head = None
     return model
+
+
+def apply(model: nn.Module, b: Build) -> nn.Module:
+    """The run's converter (run/build.py CONVERTERS): this rank's stage of a pipeline, cut from the
+    meta model after the mode, the loss and checkpointing are applied to the whole model."""
+    if b.dims is None or b.dims.pp == 1:
+        return model
+    return cut(model, b.dims, b.stage)
 
 
 class Stage(nn.Module):
@@ -48,7 +64,7 @@ class Stage(nn.Module):
 
     def __init__(self, model: nn.Module, *, first: bool, last: bool) -> None:
         super().__init__()
-        self.causal_lm = model
+        self.causal_lm = causal_lm(model)
         self.first, self.last = first, last
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -67,30 +83,32 @@ class Stage(nn.Module):
 
 class Pipeline:
     """This rank's stage of a pp-stage pipeline (pipeline parallelism alone: dp = tp = 1) and its 1F1B
-    schedule over `micro_batches` micro-batches a step."""
+    schedule over `micro_batches` micro-batches a step. `model`: the stage, already cut (`cut`)."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, rank: int, micro_batches: int, device) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
         if dims.dp != 1 or dims.tp != 1 or dims.world_size != dims.pp:  # internal: resolve refuses it
             raise AssertionError(f"the pipeline runs alone (dp = tp = 1), got {dims.describe()}")
-        self.dims = dims
+        self.dims, self.device = dims, torch.device(device)
         self.index = dims.coords(rank)[0]
         self.first, self.last = self.index == 0, self.index == dims.pp - 1
-        self.model = cut(model, dims, self.index)
+        self.model, self.lm = model, causal_lm(model)
+        if isinstance(self.lm.model.layers, nn.ModuleList):  # internal: the stage is cut before its weights load
+            raise AssertionError("the pipeline takes a model cut to its stage (engine.cut)")
         self.module = Stage(self.model, first=self.first, last=self.last)
-        stage = PipelineStage(self.module, self.index, dims.pp, torch.device(device))
+        stage = PipelineStage(self.module, self.index, dims.pp, self.device)
         self.schedule = Schedule1F1B(stage, micro_batches, loss_fn=self._loss, scale_grads=False)
         self._tokens = 1
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The micro-batch's token-loss sum over the window's tokens, through the head as one process
         computes it: the fused chunked loss where its head is installed, else transformers' loss."""
-        head = self.model.lm_head
+        head = self.lm.lm_head
         if isinstance(head, FusedLossHead):
             return chunked_cross_entropy(hidden, head.weight, labels, self._tokens, head.chunk_tokens)
         logits = head(hidden)
-        return self.model.loss_function(logits, labels, self.model.config.vocab_size, num_items_in_batch=self._tokens)
+        return self.lm.loss_function(logits, labels, self.lm.config.vocab_size, num_items_in_batch=self._tokens)
 
     def step(
         self, update, micro_batches: list[dict], settings: StepSettings, *, hooks: StepHooks = NO_HOOKS
@@ -109,17 +127,17 @@ class Pipeline:
         labels = torch.cat([mb["labels"] for mb in micro_batches])
         positions = torch.cat([_positions(mb) for mb in micro_batches])
         losses: list[torch.Tensor] = []
-        hooks.on_phase("forward")  # 1F1B interleaves the micro-batches' forwards and backwards
+        hooks.on_phase("1f1b")  # the micro-batches' forwards and backwards interleaved (verify/checks.py INTERLEAVED)
         with autocast(settings.prec, settings.device_type):
             if self.first:
                 self.schedule.step(ids, position_ids=positions, target=labels, losses=losses, return_outputs=False)
             else:
                 self.schedule.step(position_ids=positions, target=labels, losses=losses, return_outputs=False)
-        loss = torch.stack(losses).sum().detach().float() if self.last else torch.zeros((), dtype=torch.float32)
+        loss = torch.stack(losses).sum().detach().float() if self.last else self._zeros((), torch.float32)
         dist.broadcast(loss, src=self.dims.pp - 1)  # the last stage's rank: dp = tp = 1
         hooks.on_phase("optimizer")
         params = [p for p in self.model.parameters() if p.grad is not None]
-        local = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        local = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else self._zeros((), torch.float32)
         squares = local.double().square()
         dist.all_reduce(squares)
         norm = squares.sqrt().float()
@@ -129,6 +147,10 @@ class Pipeline:
         update.optimizer.zero_grad(set_to_none=True)
         hooks.on_phase("end")
         return StepResult(loss=loss, grad_norm=norm, tokens=self._tokens, applied=applied)
+
+    def layers(self) -> list[int]:
+        """The decoder layers this stage holds, by their index in the whole model."""
+        return [int(i) for i in self.lm.model.layers]
 
     def receive_buffers(self) -> list[torch.Tensor]:
         """The receive buffers the stage allocated at its first step and keeps (one per micro-batch: the
@@ -147,22 +169,25 @@ class Pipeline:
         x, positions = batch["input_ids"], _positions(batch)
         with autocast(prec, device_type):
             if not self.first:
-                code = torch.zeros((), dtype=torch.int64)
+                code = self._zeros((), torch.int64)
                 dist.recv(code, src=self.index - 1)
-                x = torch.empty((*x.shape, self.model.config.hidden_size), dtype=_DTYPES[int(code)])
+                x = torch.empty((*x.shape, self.lm.config.hidden_size), dtype=_DTYPES[int(code)], device=self.device)
                 dist.recv(x, src=self.index - 1)
             hidden = self.module(x, positions)
             if not self.last:
-                dist.send(torch.tensor(_DTYPES.index(hidden.dtype)), dst=self.index + 1)
+                dist.send(torch.tensor(_DTYPES.index(hidden.dtype), device=self.device), dst=self.index + 1)
                 dist.send(hidden.contiguous(), dst=self.index + 1)
-                sums = torch.zeros(3, dtype=torch.float64)
+                sums = self._zeros(3, torch.float64)
             else:
-                sums = self._eval_sums(hidden, labels)
-        dist.broadcast(sums, src=self.dims.pp - 1)
-        return sums
+                sums = self._eval_sums(hidden, labels).to(self.device)
+        dist.broadcast(sums, src=self.dims.pp - 1)  # (NCCL's collectives take device tensors)
+        return sums.cpu()
+
+    def _zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def _eval_sums(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        head = self.model.lm_head
+        head = self.lm.lm_head
         if isinstance(head, FusedLossHead):
             return chunked_eval_sums(hidden, head.weight, labels, head.chunk_tokens).double().cpu()
         return logit_sums(head(hidden)[:, :-1].float(), labels)

@@ -36,14 +36,15 @@ def refuse(r: Resolved) -> None:
 
 
 def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
-    """The engine compiles under every data-parallel strategy it runs, not the tp split."""
-    if cfg.train.compile is True and dims.tp > 1:
-        raise NotRunnable(
-            "train.compile",
-            "torch.compile under tensor parallelism is planned, and the engine does not run the two together",
-            'set train.compile = false (or "auto") with parallel.tp, or parallel.tp = 1',
-            what="torch.compile with tensor parallelism",
-        )
+    """The engine compiles under every data-parallel strategy it runs, not the tp split nor pipeline stages."""
+    for field, name, on in (("parallel.tp", "tensor", dims.tp > 1), ("parallel.pp", "pipeline", dims.pp > 1)):
+        if cfg.train.compile is True and on:
+            raise NotRunnable(
+                "train.compile",
+                f"torch.compile under {name} parallelism is planned, and the engine does not run the two together",
+                f'set train.compile = false (or "auto") with {field}, or {field} = 1',
+                what=f"torch.compile with {name} parallelism",
+            )
 
 
 def untraceable(r: Resolved) -> str | None:

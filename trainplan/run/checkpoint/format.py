@@ -466,11 +466,17 @@ def _load_replicated(path: Path, model: nn.Module, optimizer) -> None:
 
 def _load_dcp(path: Path, model: nn.Module, optimizer) -> None:
     """Read DCP shards into this run's own layout: each rank reads only the pieces it holds, in
-    place, so the optimizer state never exists twice; a different world size reshards."""
+    place, so the optimizer state never exists twice; a different world size reshards.
+
+    DCP writes a state's non-tensor values from one rank, so every rank reads the same param groups
+    back. Their hyperparameters are every rank's (one optimizer config, one schedule); their parameter
+    names are the writing rank's, which under pipeline parallelism are one stage's (a stage loading
+    them lost its own group's hyperparameters): every rank keeps the names of its own parameters."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     sd = _dcp_state(model, optimizer)
+    own_names = [list(group["params"]) for group in sd["optimizer"].get("param_groups", [])]
     try:
         with _single_process_ok():
             dcp.load(sd, checkpoint_id=str(path / "dcp"))
@@ -481,6 +487,8 @@ def _load_dcp(path: Path, model: nn.Module, optimizer) -> None:
             f"{path.name} does not fit this model ({first})",
             "resume with the config that wrote it",
         ) from None
+    for group, names in zip(sd["optimizer"].get("param_groups", []), own_names, strict=True):
+        group["params"] = names
     set_state_dict(
         model,
         optimizer,
