@@ -277,3 +277,34 @@ def torchrun_train(out, sets: list[str], nproc: int = 2) -> dict:
 def torchrun():
     """torchrun_train: a multi-rank `trainplan train` and its record (tests marked multiprocess)."""
     return torchrun_train
+
+
+def run_advised_entry(model_dir, sets: list[str], tmp_path, pick) -> dict:
+    """Advisor parity: `advise` on `model_dir` over two CPU devices (full fine-tuning, seq 32, global
+    batch 4), the first runnable row whose rung `pick` accepts written by the same function as --out,
+    then run under its own `# run:` launch line; the run's record."""
+    import shlex
+    import subprocess
+    import sys
+
+    from trainplan import cli
+    from trainplan.advise import rank
+    from trainplan.advise.search import search
+    from trainplan.commands.advise import request_from_args
+
+    sets = [*sets, "data.eval_fraction=0.34", "train.steps=2", "train.eval_batches=1"]
+    sets += [f"train.output_dir={tmp_path / 'run'}", "train.report_to=none"]
+    argv = [str(model_dir), "--gpus", "2xcpu", "--mode", "full", "--seq", "32", "--global-batch", "4"]
+    args = cli.build_parser().parse_args(["advise", *argv, *(x for s in sets for x in ("--set", s))])
+    s = search(request_from_args(args))
+    order = rank.ranked(s, "ladder")
+    row, entry = next((i, o) for i, o in enumerate(order, 1) if pick(o.rung) and not rank.train_blocker(s, o))
+    out = tmp_path / "chosen.toml"
+    out.write_text(rank.out_toml(s, entry, row, len(order), "ladder", str(out)))
+    launch = next(line for line in out.read_text().splitlines() if line.startswith("# run: "))[len("# run: ") :]
+    words = shlex.split(launch)
+    assert words[:3] == ["torchrun", "--nproc_per_node", "2"], launch
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *words[1:]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((tmp_path / "run" / "record.json").read_text())

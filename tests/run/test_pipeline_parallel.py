@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import run_advised_entry
 from safetensors.torch import load_file, save_file
 
 from trainplan import config as C
@@ -261,3 +262,16 @@ def test_accept_on_two_stages_passes_and_its_checkpoint_resumes_on_one_process(u
     for key in ("loss", "grad_norm"):
         want = [s[key] for s in uninterrupted["steps"][2:]]
         assert [s[key] for s in resumed["steps"]] == pytest.approx(want, rel=1e-5), key
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_an_advised_pp_entry_runs_under_torchrun_as_written(untied, tmp_path):
+    """Advisor parity: a pp 2 row of `advise` on the untied Llama (two CPU devices), one that train runs
+    (enough micro-batches for the stages), runs under its own launch line as the layout the row names."""
+    model = [s for s in untied if s.startswith("model.source=")][-1].split("=", 1)[1]  # the untied one
+    data = next(s for s in untied if s.startswith("data.source="))
+    record = run_advised_entry(model, [data, "optim.lr=3e-3"], tmp_path, lambda rung: rung.pp == 2)
+    ran = record["hardware"]["ran"]
+    assert (ran["pp"], ran["world_size"], ran["stage_layers"]) == (2, 2, [[0, 1], [2]])
+    assert record["batch"]["grad_accum_steps"] >= 2 and len(record["steps"]) == 2

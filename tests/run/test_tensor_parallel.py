@@ -4,10 +4,9 @@ losses and measures each rank against its own plan; `accept` passes on tp 2 (its
 DCP), and a tp checkpoint loads on one process with the same weights."""
 
 import json
-import subprocess
-import sys
 
 import pytest
+from conftest import run_advised_entry
 
 from trainplan import config as C
 from trainplan.commands.train import execute
@@ -121,31 +120,8 @@ def test_accept_on_tp2_passes_and_its_checkpoint_loads_on_one_process(tiny_run, 
 def test_an_advised_tp_entry_runs_under_torchrun_as_written(tiny_run, tmp_path):
     """Advisor parity: a tp 2 row of `advise` on the tiny model (two CPU devices), written by the same
     function as --out, runs under its own launch line, and the run is the layout the row names."""
-    import shlex
-
-    from trainplan import cli
-    from trainplan.advise import rank
-    from trainplan.advise.search import search
-    from trainplan.commands.advise import request_from_args
-
     root, base = tiny_run
     data = next(s for s in base if s.startswith("data.source="))
-    sets = [data, "data.eval_fraction=0.34", "train.steps=2", "train.eval_batches=1", "optim.lr=1e-3"]
-    sets += [f"train.output_dir={tmp_path / 'run'}", "train.report_to=none"]
-    argv = [str(root / "weights"), "--gpus", "2xcpu", "--mode", "full", "--seq", "32", "--global-batch", "4"]
-    args = cli.build_parser().parse_args(["advise", *argv, *(x for s in sets for x in ("--set", s))])
-    s = search(request_from_args(args))
-    order = rank.ranked(s, "ladder")
-    row, entry = next((i, o) for i, o in enumerate(order, 1) if o.rung.tp == 2)
-    assert rank.train_blocker(s, entry) == ""  # train runs it: the table lists it among the runnable rows
-    out = tmp_path / "chosen.toml"
-    out.write_text(rank.out_toml(s, entry, row, len(order), "ladder", str(out)))
-    launch = next(line for line in out.read_text().splitlines() if line.startswith("# run: "))[len("# run: ") :]
-    words = shlex.split(launch)
-    assert words[:3] == ["torchrun", "--nproc_per_node", "2"], launch
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *words[1:]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    record = json.loads((tmp_path / "run" / "record.json").read_text())
+    record = run_advised_entry(root / "weights", [data, "optim.lr=1e-3"], tmp_path, lambda rung: rung.tp == 2)
     assert (record["hardware"]["ran"]["tp"], record["hardware"]["ran"]["world_size"]) == (2, 2)
     assert len(record["steps"]) == 2

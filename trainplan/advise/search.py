@@ -170,15 +170,14 @@ def precisions(devices: list[DeviceSpec], mode: str) -> tuple[str, ...]:
 
 
 def layouts(spec: ModelSpec, devices: list[DeviceSpec], global_batch: int) -> tuple[list, list[str]]:
-    """(tp, pp, dp) that divide the devices and the model, and whose dp divides the global batch. CPU
-    processes split a model by tp (gloo runs it), not into pipeline stages."""
+    """(tp, pp, dp) that divide the devices and the model, and whose dp divides the global batch (gloo
+    runs tp and pipeline stages on CPU processes too)."""
     world, out, skipped = len(devices), [], []
-    cpu = any(d.kind == "cpu" for d in devices)
     for tp in TP_DEGREES:
         if tp > world or spec.num_heads % tp or spec.num_kv_heads % tp:
             continue
         for pp in PP_DEGREES:
-            if world % (tp * pp) or pp > spec.num_layers or (cpu and pp > 1):
+            if world % (tp * pp) or pp > spec.num_layers:
                 continue
             dp = world // (tp * pp)
             if global_batch % dp:
