@@ -46,10 +46,15 @@ def job(**settings):
             "a pipeline with fewer micro-batches than stages",
         ),
         (
-            {"parallel.pp": 2, "batch.grad_accum_steps": 2, "hardware.gpus": "4xH100-80GB"},
+            {
+                "parallel.pp": 2,
+                "batch.grad_accum_steps": 2,
+                "parallel.strategy": "zero3",
+                "hardware.gpus": "4xH100-80GB",
+            },
             True,
             "parallel.pp",
-            "pipeline parallelism with data or tensor parallelism",
+            "pipeline parallelism with tensor parallelism, ZeRO or FSDP",
         ),
         (
             {"parallel.pp": 2, "mode": "inference", "hardware.gpus": "2xH100-80GB"},

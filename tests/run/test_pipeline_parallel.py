@@ -236,6 +236,34 @@ def test_train_on_two_stages_reproduces_one_process_and_each_stage_meets_its_pla
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+def test_two_stages_replicated_by_ddp_on_four_ranks_reproduce_one_process(untied, tmp_path, torchrun):
+    """pp 2 x dp 2 on a (pp, dp) mesh: each stage replicated by DDP (its replicas average their gradients at
+    the window's last backward, the others under no_sync), each replica its own 4 micro-batches, so a step
+    is one process's 8: the same losses and gradient norms within 1e-5 for 4 steps, the same result; each
+    rank's measured phases within 5 % of its plan in total (its backward holds the gradients twice:
+    features/pipeline_parallel/plan.py `adjust`)."""
+    sets = [*untied, "mode=full", "train.steps=4"]
+    one = ["batch.grad_accum_steps=8", f"train.output_dir={tmp_path / 'one'}"]
+    ref = execute(C.load(None, [*sets, *one]), quiet=True)[0].to_json()
+    record = torchrun(tmp_path / "pp", [*sets, "parallel.pp=2", "parallel.strategy=ddp"], nproc=4)
+    ran = record["hardware"]["ran"]
+    assert (ran["world_size"], ran["pp"], ran["stage_layers"]) == (4, 2, [[0, 1], [0, 1], [2], [2]])
+    assert record["contract"]["passed"], record["contract"]["detail"]
+    for key in ("loss", "grad_norm"):
+        assert [s[key] for s in record["steps"]] == pytest.approx([s[key] for s in ref["steps"]], rel=1e-5), key
+    assert record["eval_after"]["loss"] == pytest.approx(ref["eval_after"]["loss"], rel=1e-5)
+    check = checks.check_memory(RunRecord.from_json(record), analytic.plan(C.from_dict(record["config"])), 0.05)
+    totals = [r for r in check.evidence["rows"] if r["component"] == "total"]
+    assert {r["device"] for r in totals} == {f"rank {i} (cpu)" for i in range(4)}
+    assert all(r["ok"] for r in totals), [r for r in totals if not r["ok"]]
+    got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pp" / "result").state_dict()
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "result").state_dict()
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_accept_on_two_stages_passes_and_its_checkpoint_resumes_on_one_process(untied, tmp_path):
     """`trainplan accept --nproc 2 --set parallel.pp=2`: every check on the stages, its resume check
     bitwise through a DCP checkpoint of each stage's weights and optimizer state (stage 0's param group

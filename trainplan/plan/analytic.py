@@ -21,6 +21,7 @@ from trainplan import features
 from trainplan.features.activation_offload import plan as activation_offload
 from trainplan.features.checkpointing import plan as checkpointing
 from trainplan.features.optimizer_offload import plan as optimizer_offload
+from trainplan.features.pipeline_parallel import plan as pipeline_parallel
 from trainplan.features.step_in_backward import plan as step_in_backward
 from trainplan.plan import context, lifecycle, offload, packing
 from trainplan.plan import terms as T
@@ -145,6 +146,7 @@ def _fixed_terms(ctx: T.RankContext) -> _Fixed:
 # of every phase and moment, so it comes last. (Features that change one component's size, LoRA's
 # adapters, QLoRA's NF4 weights, 8-bit states, a compiled layer's saved bytes, are read by its term.)
 ADJUSTMENTS = (checkpointing.adjust, step_in_backward.adjust, activation_offload.adjust, optimizer_offload.adjust)
+ADJUSTMENTS += (pipeline_parallel.adjust,)  # last: it doubles the gradients of every backward moment
 
 
 def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedger:

@@ -96,13 +96,15 @@ def check(
     )
 
 
-def of_stages(results: list[ContractResult]) -> ContractResult:
-    """The contract of a pipeline's model from each stage's own (in stage order): it holds when it holds
-    on every stage, whose tensors are disjoint, so their counts add up."""
+def of_stages(results: list[ContractResult], dims) -> ContractResult:
+    """The contract of a pipeline's model from every rank's (in rank order; dims: the layout): it holds
+    when it holds on every rank; the detail and the counts are the first replica's stages, whose
+    tensors are disjoint, so their counts add up."""
+    first = [r for rank, r in enumerate(results) if dims.coords(rank)[1] == 0]  # (stage, replica 0)
     return ContractResult(
         mode=results[0].mode,
         passed=all(r.passed for r in results),
-        detail="; ".join(f"stage {i}: {r.detail}" for i, r in enumerate(results)),
-        changed=sum(r.changed for r in results),
-        unchanged=sum(r.unchanged for r in results),
+        detail="; ".join(f"stage {i}: {r.detail}" for i, r in enumerate(first)),
+        changed=sum(r.changed for r in first),
+        unchanged=sum(r.unchanged for r in first),
     )

@@ -112,7 +112,7 @@ def _conclude(trainer: Trainer, cfg: C.RunConfig, env: dist.DistEnv, t_start: fl
         cfg.mode, trainer.model, trainer.before, optimizer=optimizer, updates=updates, held_out_loss=held_out
     )
     if trainer.stages is not None:
-        check = contract.of_stages(env.gather(check))
+        check = contract.of_stages(env.gather(check), trainer.job.resolved.dims)
     rec.contract = check.to_json()
     rec.wall_seconds = time.perf_counter() - t_start
     return rec
@@ -127,13 +127,14 @@ class Trainer:
         self.job, self.env = job, job.env
         self.progress = progress or Progress.off()
         self.trackers = trackers or Trackers()
-        self.model = dist.wrap(job.model, job.resolved.dims, job.env) if job.training else job.model
-        self.pipeline = None  # pipeline parallelism: this rank's stage and its 1F1B schedule
+        self.pipeline = None  # pipeline parallelism: this rank's stage and its 1F1B schedule (DDP inside)
         if features.pipeline_parallel.active(job.resolved):
             from trainplan.features.pipeline_parallel.engine import Pipeline
 
             r = job.resolved
-            self.pipeline = Pipeline(self.model, r.dims, job.env.rank, r.batch.grad_accum_steps, job.env.device)
+            self.pipeline = Pipeline(job.model, r.dims, job.env.rank, r.batch.grad_accum_steps, job.env.device)
+        wrapped = job.training and self.pipeline is None
+        self.model = dist.wrap(job.model, job.resolved.dims, job.env) if wrapped else job.model
         self.before = contract.snapshot(self.model)
         self.record = record.header(job)
         self.state: TrainState | None = None
@@ -166,7 +167,8 @@ class Trainer:
             return contextlib.nullcontext()
         optimizer = self.state.optimizer if self.state else None
         comm = self.pipeline.receive_buffers() if self.pipeline else ()
-        meter = measure.PhaseMeter(self.env.device, self.model, optimizer, comm=comm)
+        held = self.pipeline.ddp if self.pipeline and self.pipeline.ddp else self.model  # (DDP's buckets)
+        meter = measure.PhaseMeter(self.env.device, held, optimizer, comm=comm)
 
         @contextlib.contextmanager
         def recording():
@@ -256,8 +258,9 @@ class Trainer:
         out = Path(cfg.train.output_dir)
         with self.progress.stage("save", f"the {cfg.mode} result to {out / result.DIRNAME}"), self._meter("save"):
             base = weights.base_reference(cfg)
+            stage = (self.pipeline.index, self.pipeline.dims.pp, self.pipeline.dp_index) if self.pipeline else None
             rec.result = result.save(
-                self.model, self.job.tokenizer, cfg.mode, out, self.env, base_model=base, staged=self.stages is not None
+                self.model, self.job.tokenizer, cfg.mode, out, self.env, base_model=base, stage=stage
             )
 
     def callbacks(
@@ -338,7 +341,7 @@ class Trainer:
             moved.reset_peak()
         with meter or contextlib.nullcontext():
             if self.pipeline is not None:  # 1F1B through the stages: every rank takes the same micro-batches
-                res = self.pipeline.step(state, micro, self.settings, hooks=hooks)
+                res = self.pipeline.step(state, micro, self.settings, token_count=tokens, hooks=hooks)
             else:
                 res = step.train_step(self.model, state, micro, self.settings, token_count=tokens, hooks=hooks)
         measured_peaks = None

@@ -56,21 +56,25 @@ def save(
     env: dist.DistEnv,
     *,
     base_model: str | None,
-    staged: bool = False,
+    stage: tuple[int, int, int] | None = None,
 ) -> dict:
     """Write the result of a training run; returns what the run record keeps of it. `base_model`: where
     the base weights load from (run/weights.py `base_reference`), named in an adapter's config so that
-    PEFT alone finds it; None for random weights. staged: every rank holds a pipeline stage."""
+    PEFT alone finds it; None for random weights. stage: (index, stages, replica) of a pipeline's rank,
+    whose first replica writes the stage."""
     base = getattr(model, "module", model)  # DDP's wrapper holds the model itself
     adapter = mode in lora.ADAPTER_MODES
     final = Path(out_dir) / DIRNAME
     tmp = final.with_name(f".{DIRNAME}.tmp")
+    staged = stage is not None
     if staged:  # every stage writes its own tensors beside the main rank's: nothing is gathered
         if env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         env.barrier()
-        parts = env.gather(_write_stage(base, adapter, tmp, env))
+        index, count, replica = stage
+        own = _write_stage(base, adapter, tmp, index, count) if replica == 0 else None
+        parts = [part for part in env.gather(own) if part]
         state = _full_state_dict(base, trainable_only=True, main=True) if adapter else {}  # the main rank's own
         if env.is_main and not adapter:
             _write_index(base, tmp, parts)
@@ -102,7 +106,7 @@ def save(
     }
 
 
-def _write_stage(base: nn.Module, adapter: bool, tmp: Path, env: dist.DistEnv) -> tuple[str, list[str], int]:
+def _write_stage(base: nn.Module, adapter: bool, tmp: Path, index: int, count: int) -> tuple[str, list[str], int]:
     """This pipeline stage's tensors, copied to the host a tensor at a time and written to its own file in
     `tmp`: transformers' shard of the whole model (full), or its adapters under the names PEFT gives them
     in its file, which the main rank merges (PEFT names them from the modules it holds, so each stage
@@ -117,9 +121,7 @@ def _write_stage(base: nn.Module, adapter: bool, tmp: Path, env: dist.DistEnv) -
     else:
         own = base.state_dict()
     host = {k: v.detach().contiguous().cpu() for k, v in own.items()}
-    name = (
-        f"stage-{env.rank:05d}.safetensors" if adapter else f"model-{env.rank + 1:05d}-of-{env.world:05d}.safetensors"
-    )
+    name = f"stage-{index:05d}.safetensors" if adapter else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
     save_file(host, str(tmp / name), metadata={"format": "pt"})
     return name, sorted(host), sum(t.numel() * t.element_size() for t in host.values())
 

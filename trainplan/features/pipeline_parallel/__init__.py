@@ -3,8 +3,9 @@ ParallelDims.stage_layers (an even split, earlier stages take the remainder), th
 first stage, the final norm, the head and the loss on the last, run by torch.distributed.pipelining's
 1F1B schedule with the accumulation window's micro-batches as its micro-batches.
 
-The planner plans every layout with pp. `trainplan train` runs pp alone (dp = tp = 1: every rank a
-stage) for full fine-tuning and LoRA on Llama models with an untied head: the model is cut to the
+The planner plans every layout with pp. `trainplan train` runs pp alone (every rank a stage) or with
+each stage replicated by DDP on the data axis (parallel.strategy = "ddp"), for full fine-tuning and
+LoRA on Llama models with an untied head: the model is cut to the
 rank's stage before its weights load (engine.py `apply`), the step, the held-out metric, the
 checkpoint (DCP, each stage its own tensors) and the result (gathered on the main rank) go through the
 stages (tests/run/test_pipeline_parallel.py). What it does not run beside pp is refused by name below."""
@@ -51,13 +52,13 @@ def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
             "set parallel.pp = 1 for inference",
             what="inference through pipeline stages",
         )
-    if dims.dp > 1 or dims.tp > 1 or dims.shards_params:
+    if dims.tp > 1 or dims.shards_params or (dims.dp > 1 and dims.strategy != "ddp"):
         raise NotRunnable(
             "parallel.pp",
-            f"the engine runs pipeline stages alone (every rank a stage), and this layout is {dims.describe()}",
-            "set parallel.pp = 1, or make every rank a stage (parallel.pp = the number of devices, parallel.tp = 1, "
-            "no FSDP strategy)",
-            what="pipeline parallelism with data or tensor parallelism",
+            "the engine runs pipeline stages alone or replicated by DDP on the data axis, and this layout is "
+            f"{dims.describe()}",
+            'set parallel.pp = 1, or use parallel.tp = 1 with parallel.strategy = "ddp" beside parallel.pp',
+            what="pipeline parallelism with tensor parallelism, ZeRO or FSDP",
         )
     if cfg.mode != "full" and cfg.model.init == "random":
         raise NotRunnable(

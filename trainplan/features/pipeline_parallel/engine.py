@@ -82,47 +82,76 @@ class Stage(nn.Module):
 
 
 class Pipeline:
-    """This rank's stage of a pp-stage pipeline (pipeline parallelism alone: dp = tp = 1) and its 1F1B
-    schedule over `micro_batches` micro-batches a step. `model`: the stage, already cut (`cut`)."""
+    """This rank's stage of a pp-stage pipeline and its 1F1B schedule over `micro_batches` micro-batches a
+    step. `model`: the stage, already cut (`cut`). With dp > 1 (parallel.strategy "ddp") every stage is
+    replicated over the data axis of a (pp, dp) mesh: the stages of one replica exchange activations in
+    their "pp" group, and each stage's replicas average its gradients in their "dp" group (DDP around the
+    stage, which torch's PipelineStage reduces at the window's last backward only)."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, rank: int, micro_batches: int, device) -> None:
+        import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        if dims.dp != 1 or dims.tp != 1 or dims.world_size != dims.pp:  # internal: resolve refuses it
-            raise AssertionError(f"the pipeline runs alone (dp = tp = 1), got {dims.describe()}")
+        if dims.tp != 1 or dims.world_size != dims.pp * dims.dp:  # internal: resolve refuses it
+            raise AssertionError(f"the pipeline runs with data parallelism only, got {dims.describe()}")
         self.dims, self.device = dims, torch.device(device)
-        self.index = dims.coords(rank)[0]
+        self.index, self.dp_index, _ = dims.coords(rank)
         self.first, self.last = self.index == 0, self.index == dims.pp - 1
         self.model, self.lm = model, causal_lm(model)
         if isinstance(self.lm.model.layers, nn.ModuleList):  # internal: the stage is cut before its weights load
             raise AssertionError("the pipeline takes a model cut to its stage (engine.cut)")
         self.module = Stage(self.model, first=self.first, last=self.last)
-        stage = PipelineStage(self.module, self.index, dims.pp, self.device)
+        self.pp_group = self.dp_group = None  # None: the world (pipeline parallelism alone)
+        self.ddp = None  # the stage's DDP wrapper (dp > 1): its gradient buckets persist between steps
+        submod: nn.Module = self.module
+        if dims.dp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.nn.parallel import DistributedDataParallel
+
+            mesh = init_device_mesh(self.device.type, (dims.pp, dims.dp), mesh_dim_names=("pp", "dp"))
+            self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            submod = self.ddp = DistributedDataParallel(
+                self.module, device_ids=ids, process_group=self.dp_group, gradient_as_bucket_view=True
+            )
+        self.last_rank = dist.get_global_rank(self.pp_group, dims.pp - 1) if self.pp_group else dims.pp - 1
+        stage = PipelineStage(submod, self.index, dims.pp, self.device, group=self.pp_group)
         self.schedule = Schedule1F1B(stage, micro_batches, loss_fn=self._loss, scale_grads=False)
         self._tokens = 1
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The micro-batch's token-loss sum over the window's tokens, through the head as one process
-        computes it: the fused chunked loss where its head is installed, else transformers' loss."""
+        """The micro-batch's token-loss sum over the window's tokens (every replica's), through the head as
+        one process computes it: the fused chunked loss where its head is installed, else transformers'
+        loss; times dp, which DDP's average of the replicas' gradients divides back out."""
         head = self.lm.lm_head
         if isinstance(head, FusedLossHead):
-            return chunked_cross_entropy(hidden, head.weight, labels, self._tokens, head.chunk_tokens)
-        logits = head(hidden)
-        return self.lm.loss_function(logits, labels, self.lm.config.vocab_size, num_items_in_batch=self._tokens)
+            loss = chunked_cross_entropy(hidden, head.weight, labels, self._tokens, head.chunk_tokens)
+        else:
+            logits = head(hidden)
+            loss = self.lm.loss_function(logits, labels, self.lm.config.vocab_size, num_items_in_batch=self._tokens)
+        return loss * self.dims.dp if self.dims.dp > 1 else loss
 
     def step(
-        self, update, micro_batches: list[dict], settings: StepSettings, *, hooks: StepHooks = NO_HOOKS
+        self,
+        update,
+        micro_batches: list[dict],
+        settings: StepSettings,
+        *,
+        token_count: int | None = None,
+        hooks: StepHooks = NO_HOOKS,
     ) -> StepResult:
         """One optimizer step over the window, as run/step.py `train_step` takes it: every stage calls it
         with the same micro-batches (the first stage reads their ids, the last their labels, every stage
-        their positions); `update` holds the stage's optimizer and the scheduler, and `hooks.decide` (the
-        guard) sees the window's loss and the pipeline's gradient norm on every stage, so all of them
-        skip or apply the update together."""
+        their positions; each replica its own); `token_count`: the window's target tokens over every
+        replica (the caller's sum). `update` holds the stage's optimizer and the scheduler, and
+        `hooks.decide` (the guard) sees the window's loss and the pipeline's gradient norm on every rank,
+        so all of them skip or apply the update together."""
         import torch.distributed as dist
 
         if update.scaler is not None:  # internal: resolve refuses fp16 loss scaling under pp
             raise AssertionError("the pipeline step takes no GradScaler")
-        self._tokens = sum(target_tokens(mb) for mb in micro_batches)
+        local = sum(target_tokens(mb) for mb in micro_batches)
+        self._tokens = token_count if token_count is not None else local
         ids = torch.cat([mb["input_ids"] for mb in micro_batches])
         labels = torch.cat([mb["labels"] for mb in micro_batches])
         positions = torch.cat([_positions(mb) for mb in micro_batches])
@@ -133,13 +162,18 @@ class Pipeline:
                 self.schedule.step(ids, position_ids=positions, target=labels, losses=losses, return_outputs=False)
             else:
                 self.schedule.step(position_ids=positions, target=labels, losses=losses, return_outputs=False)
-        loss = torch.stack(losses).sum().detach().float() if self.last else self._zeros((), torch.float32)
-        dist.broadcast(loss, src=self.dims.pp - 1)  # the last stage's rank: dp = tp = 1
+        loss = (
+            torch.stack(losses).sum().detach().float() / self.dims.dp if self.last else self._zeros((), torch.float32)
+        )
+        # this replica's share of the window's mean on each of its stages (the guard sums the replicas')
+        dist.broadcast(loss, src=self.last_rank, group=self.pp_group)
         hooks.on_phase("optimizer")
         params = [p for p in self.model.parameters() if p.grad is not None]
-        local = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else self._zeros((), torch.float32)
-        squares = local.double().square()
-        dist.all_reduce(squares)
+        local_norm = (
+            torch.nn.utils.get_total_norm([p.grad for p in params]) if params else self._zeros((), torch.float32)
+        )
+        squares = local_norm.double().square()
+        dist.all_reduce(squares, group=self.pp_group)  # the replicas' gradients are equal after DDP's average
         norm = squares.sqrt().float()
         if settings.max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(params, settings.max_grad_norm, norm)
@@ -170,17 +204,18 @@ class Pipeline:
         with autocast(prec, device_type):
             if not self.first:
                 code = self._zeros((), torch.int64)
-                dist.recv(code, src=self.index - 1)
+                dist.recv(code, group=self.pp_group, group_src=self.index - 1)
                 x = torch.empty((*x.shape, self.lm.config.hidden_size), dtype=_DTYPES[int(code)], device=self.device)
-                dist.recv(x, src=self.index - 1)
+                dist.recv(x, group=self.pp_group, group_src=self.index - 1)
             hidden = self.module(x, positions)
             if not self.last:
-                dist.send(torch.tensor(_DTYPES.index(hidden.dtype), device=self.device), dst=self.index + 1)
-                dist.send(hidden.contiguous(), dst=self.index + 1)
+                code = torch.tensor(_DTYPES.index(hidden.dtype), device=self.device)
+                dist.send(code, group=self.pp_group, group_dst=self.index + 1)
+                dist.send(hidden.contiguous(), group=self.pp_group, group_dst=self.index + 1)
                 sums = self._zeros(3, torch.float64)
             else:
                 sums = self._eval_sums(hidden, labels).to(self.device)
-        dist.broadcast(sums, src=self.dims.pp - 1)  # (NCCL's collectives take device tensors)
+        dist.broadcast(sums, src=self.last_rank, group=self.pp_group)  # (NCCL's collectives take device tensors)
         return sums.cpu()
 
     def _zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
