@@ -124,18 +124,20 @@ def test_two_stages_of_1f1b_reproduce_one_process_accumulating_four_micro_batche
         "batch.seq_len": SEQ,
         "precision": "fp32",
         "train.loss_chunk_tokens": chunk,
+        "data.packing": "document",  # the rows pack documents: a block-causal mask, K and V repeated
     }
     ledger = analytic.plan(C.load(None, [], settings_of_run))
     planned = [dev.phases["forward"]["comm_buffers"] for dev in ledger.devices]
     assert doc["receive_buffers"] == planned == [ACCUM * ROWS * SEQ * 64 * 4] * 2
-    # the step meter, given the stage's receive buffers, measures them as the plan's comm_buffers. The last
-    # stage's 1F1B step (its forwards and backwards interleaved) is within 5 % of the larger of its planned
-    # forward and backward; the first stage's is not yet: its activations hold about 15 hidden-sized
-    # tensors more than planned (-7.7 % of its step here, docs/memory-model.md)
+    # the step meter, given the stage's receive buffers, measures them as the plan's comm_buffers; each
+    # stage's 1F1B step (its forwards and backwards interleaved) is within 1 % of the larger of its planned
+    # forward and backward (the first stage's: its top layer's MLP backward, beside the saved tensors and
+    # the outputs of its micro-batches in flight; -0.3 % and -0.6 % on 2026-12-06: a plan without either
+    # term is 1.3 % or 4.2 % under, the tolerance is 5 %)
     for stage, got in enumerate(doc["step_measured"]):
         assert got["comm_buffers"] == planned[stage]
-    want, got = checks.planned_phase(ledger.devices[1], "1f1b"), doc["step_measured"][1]
-    assert abs(sum(want.values()) - sum(got.values())) <= 0.05 * sum(got.values()), (want, got)
+        want = checks.planned_phase(ledger.devices[stage], "1f1b")
+        assert abs(sum(want.values()) - sum(got.values())) <= 0.01 * sum(got.values()), (stage, want, got)
     assert doc["skip_changed_nothing"]  # a step the guard skipped left every stage's weights as they were
     # the held-out metric through the stages is run/evaluate.py's on the one process's model
     held_out = {k: batches[f"eval.{k}"] for k in keys}

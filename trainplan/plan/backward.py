@@ -50,6 +50,9 @@ def backward_moments(
     if ctx.fused and ctx.layers and ctx.ckpt.layers < len(ctx.layers):  # the top layer is not checkpointed
         top_layer = _top_layer_mlp_backward(ctx, start, end, adapter, grads, acts)
         candidates += [top_layer, _final_norm_backward(ctx, start, top_layer, adapter, grads, acts)]
+    elif not ctx.last and ctx.layers and ctx.ckpt.layers < len(ctx.layers):  # a pipeline stage before the last:
+        # no logits buffers either, its backward starts at its top layer's MLP
+        candidates.append(_top_layer_mlp_backward(ctx, start, end, adapter, grads, acts))
     return candidates  # checkpointing's recompute: features/checkpointing/plan.py
 
 
@@ -173,7 +176,7 @@ def _top_layer_mlp_backward(
     comm = start["comm_buffers"]  # no unit has finished its backward yet
     if ctx.shards.fsdp and ctx.full:  # gradients unsharded, in the compute dtype, till their reduce-scatter
         gradients = 0
-        unsharded = (ctx.head.numel + ctx.tensors.numel("top_down", 1)) * cb
+        unsharded = ((ctx.head.numel if ctx.head is not None else 0) + ctx.tensors.numel("top_down", 1)) * cb
         comm += Bytes(("the head's, final norm's and top down projection's unsharded gradients", unsharded))
     copies = start["weight_copies"]
     if ctx.dims.reshard_after_forward and len(ctx.layers) > 1:

@@ -29,16 +29,30 @@ def receive_buffers(ctx: RankContext) -> tuple[int, str]:
 
 
 def adjust(ctx: RankContext, bill: StepBill, terms: RankTerms) -> StepBill:
-    """Stages replicated by DDP: torch's PipelineStage runs every backward of the window but the last under
-    DDP's no_sync, so the gradients accumulate in tensors of their own (zero_grad set them to None) beside
-    DDP's buckets (the plan's gradients, which persist), until the last backward reduces them into the
-    buckets: backward holds the gradients twice. Forward's peak does not (measured on 4 gloo ranks, pp 2 x
-    dp 2: the last stage's loss moment of a later micro-batch stayed under its backward's; the 1F1B step
-    within 0.4 % of the backward planned so, tests/run/test_pipeline_parallel.py)."""
+    """What a training stage holds beside its layers' saved tensors:
+
+    - a stage before the last: its output of every micro-batch in flight, which torch's PipelineStage
+      keeps for that micro-batch's backward (in one process the next layer saves it, on the next stage);
+    - stages replicated by DDP: PipelineStage runs every backward of the window but the last under DDP's
+      no_sync, so the gradients accumulate in tensors of their own (zero_grad set them to None) beside
+      DDP's buckets (the plan's gradients, which persist) until the last backward reduces them into the
+      buckets: backward holds the gradients twice. Forward's peak does not (measured on 4 gloo ranks,
+      pp 2 x dp 2: the last stage's loss moment of a later micro-batch stayed under its backward's).
+
+    Measured by tests/run/test_pipeline_parallel.py (each stage's 1F1B step within 1.5 % of its plan)."""
     from trainplan.plan.phase import Bytes, PhaseBill, StepBill
 
-    if ctx.dims.pp == 1 or not ctx.dims.keeps_grad_buckets or not ctx.r.training:
+    if ctx.dims.pp == 1 or not ctx.r.training:
         return bill
-    twice = ("the window's gradients, beside DDP's buckets until its last backward (no_sync)", terms.grads.nbytes)
-    moments = tuple(PhaseBill(m, gradients=Bytes(m.get("gradients", 0), twice)) for m in bill.moments)
-    return StepBill(phases=bill.phases, moments=moments)
+    phases, moments = dict(bill.phases), bill.moments
+    if not ctx.last:
+        kept = (
+            "the stage's output of each micro-batch in flight, kept for its backward",
+            ctx.in_flight * ctx.tokens * ctx.spec.hidden_size * ctx.residual,
+        )
+        phases["forward"] = PhaseBill(phases["forward"], activations=Bytes(phases["forward"]["activations"], kept))
+        moments = tuple(PhaseBill(m, activations=Bytes(m.get("activations", 0), kept)) for m in moments)
+    if ctx.dims.keeps_grad_buckets:
+        twice = ("the window's gradients, beside DDP's buckets until its last backward (no_sync)", terms.grads.nbytes)
+        moments = tuple(PhaseBill(m, gradients=Bytes(m.get("gradients", 0), twice)) for m in moments)
+    return StepBill(phases=phases, moments=moments)
