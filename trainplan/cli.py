@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "trace": "trace",
     "launch": "launch",
     "devices": "devices",
+    "ui": "ui",
     "settings": "settings",
     "config": "settings",  # `trainplan config --show [CONFIG]`: the same listing, a file's values beside the defaults
 }

@@ -26,8 +26,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainplan.plan.analytic import plan
     from trainplan.plan.ledger import render_markdown, render_table
+
+    ledger = ledger_of(args)
+    if args.json:
+        emit(args, json.dumps(ledger.to_json(), indent=1))
+    elif args.markdown:
+        emit(args, render_markdown(ledger))
+    else:
+        emit(args, render_table(ledger, terminal=is_terminal(args.output)))
+    return ledger.exit_code_for(strict=args.strict)
+
+
+def ledger_of(args: argparse.Namespace):
+    """The plan `trainplan plan` prints for these arguments (`trainplan ui` asks the same), with the
+    nearest step that fits where it does not."""
+    from trainplan.plan.analytic import plan
 
     if args.data is not None:  # the run's own micro-batches (plan/from_data.py); tokenizing imports torch
         from trainplan.config import toml_literal
@@ -45,10 +59,4 @@ def run(args: argparse.Namespace) -> int:
 
         step = nearest.nearest(cfg)
         ledger.next_step = {"text": nearest.text(step, cfg), **(step.to_json() if step else {})}
-    if args.json:
-        emit(args, json.dumps(ledger.to_json(), indent=1))
-    elif args.markdown:
-        emit(args, render_markdown(ledger))
-    else:
-        emit(args, render_table(ledger, terminal=is_terminal(args.output)))
-    return ledger.exit_code_for(strict=args.strict)
+    return ledger
