@@ -28,7 +28,7 @@ def main() -> int:
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
-    from trainplan import ui
+    from trainplan.commands import ui
 
     browser_path = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser_path is None:

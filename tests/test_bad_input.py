@@ -174,6 +174,9 @@ FLAG_CASES = [
     (["runs", "show", "abc"], r"^argument ids: invalid int value: 'abc'"),
     (["runs", "compare", "1"], r"^runs compare: takes 2 run id\(s\), got 1"),
     (["devices", "--gpus", "0,zz"], r"^--gpus: "),
+    (["ui", "--port", "abc"], r"^argument --port: invalid int value: 'abc'"),
+    (["ui", "--port", "٣"], r"^argument --port: invalid int value: '٣'"),
+    (["ui", "--port", "70000"], r"^--port: must be 0\.\.65535 \(got 70000\)"),
     # numbers in ASCII digits only (int() and `\d` would read these): steps, device counts, sizes, indices
     (["plan", "--set", 'guard.inject=["nan-loss@²"]'], r"^guard\.inject: 'nan-loss@²' is not KIND@STEP"),
     (["plan", "--set", 'guard.inject=["spike@٣"]'], r"^guard\.inject: 'spike@٣' is not KIND@STEP"),

@@ -13,7 +13,8 @@ from urllib.parse import urlencode
 
 import pytest
 
-from trainplan import cli, ui
+from trainplan import cli
+from trainplan.commands import ui
 
 # (the page's fields, as a shared link holds them): heterogeneous devices, ZeRO-3 over 8 GPUs, LoRA
 CASES = {

@@ -9,8 +9,9 @@ import importlib
 import logging
 import sys
 
+from trainplan.commands._common import Parser, prepare
 from trainplan.errors import EXIT_BAD_INPUT, EXIT_CODES_HELP, EXIT_INTERNAL, EXIT_STOPPED, TrainplanError
-from trainplan.text import ascii_float, ascii_int, error_lines
+from trainplan.text import error_lines
 
 # name -> module under trainplan/commands/, in the order `trainplan --help` lists them
 COMMANDS: dict[str, str] = {
@@ -36,14 +37,6 @@ def command(name: str):
     return importlib.import_module(f"trainplan.commands.{COMMANDS[name]}")
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse with a one-line error (its default prints the whole usage first)."""
-
-    def error(self, message: str):
-        line = " ".join(error_lines(message))
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {line}; see {self.prog} --help\n")
-
-
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole parser; `only`: the one command a command line names, whose module alone is imported
     (the others are bare names, for argparse's choices): `trainplan train` does not import `advise`'s
@@ -58,11 +51,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             sub.add_parser(name)
             continue
         module = command(name)
-        p = sub.add_parser(name, help=module.HELP, description=module.HELP, epilog=EXIT_CODES_HELP)
-        p.register("type", int, ascii_int)  # every type=int / type=float flag reads ASCII digits only
-        p.register("type", float, ascii_float)
-        module.add_args(p)
-        p.set_defaults(_run=module.run)
+        prepare(sub.add_parser(name, help=module.HELP, description=module.HELP, epilog=EXIT_CODES_HELP), module)
     return parser
 
 

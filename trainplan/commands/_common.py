@@ -7,8 +7,28 @@ import logging
 import os
 import sys
 
-from trainplan.errors import TrainplanError
+from trainplan.errors import EXIT_BAD_INPUT, TrainplanError
 from trainplan.files import write_atomic
+from trainplan.text import ascii_float, ascii_int, error_lines
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (its default prints the whole usage first)."""
+
+    def error(self, message: str):
+        line = " ".join(error_lines(message))
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {line}; see {self.prog} --help\n")
+
+
+def prepare(p: argparse.ArgumentParser, module) -> argparse.ArgumentParser:
+    """A subcommand's parser: its module's arguments, every type=int / type=float flag reading ASCII
+    digits only, and its `run`."""
+    p.register("type", int, ascii_int)
+    p.register("type", float, ascii_float)
+    module.add_args(p)
+    p.set_defaults(_run=module.run)
+    return p
+
 
 # Flags shared by every command that takes a RunConfig: (flag, config key, argparse kwargs).
 CONFIG_FLAGS: tuple[tuple[str, str, dict], ...] = (

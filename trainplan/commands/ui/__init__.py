@@ -5,21 +5,65 @@ command line, which the server parses with the CLI's own parser and plans with t
 (commands/plan.py `ledger_of`): the page shows `plan --json`'s numbers, and its "copy as command" is
 that line. Bad input gets the CLI's one-line message and a 400; the server keeps serving.
 
-Security: it binds to 127.0.0.1 unless told otherwise; it reads a local path only where the user typed
-one (the model field, as `plan` does); it writes nothing."""
+Security: it binds to 127.0.0.1 unless told otherwise (--host warns); it reads a local path only where
+the user typed one (the model field, as `plan` does); it writes nothing."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
 import shlex
+import sys
+import webbrowser
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
 
 from trainplan.errors import ConfigError, TrainplanError
+
+HELP = "the planner as a local web page: each device's bar against its capacity as you change the settings"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=8765, help="port to listen on (0: any free port)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1, this machine only; another one serves the page to the network)",
+    )
+    p.add_argument("--open", action="store_true", help="open the page in the default browser")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise ConfigError("--port", f"must be 0..65535 (got {args.port})", "give a port number, or 0 for any free one")
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"trainplan ui: warning: serving on {args.host}: anyone who reaches it can plan with paths on this "
+            "machine (the page reads no file but a model path typed in it)",
+            file=sys.stderr,
+        )
+    try:
+        server = serve(args.host, args.port)
+    except OSError as e:
+        problem = f"cannot listen on {args.host}:{args.port} ({e.strerror})"
+        raise ConfigError("--port", problem, "give another --port") from None
+    host, port = server.server_address[:2]
+    url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}/"
+    print(f"trainplan ui: {url} (Ctrl-C stops it)", flush=True)
+    if args.open:
+        webbrowser.open(url)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
 
 # The page's fields: (query key, the `plan` flag; None: the positional model; "switch": a flag alone).
 FIELDS: tuple[tuple[str, str | None], ...] = (
@@ -69,19 +113,19 @@ def command_of(argv: list[str]) -> str:
 def plan_json(state: dict[str, str]) -> dict:
     """{"command", "plan"}: the plan `trainplan plan --json` prints for this state. Raises
     ValueError with the CLI's one-line message (and `field`, where it names one) on bad input."""
-    from trainplan import cli
-    from trainplan.commands.plan import ledger_of
+    from trainplan.commands import plan
+    from trainplan.commands._common import Parser, prepare
 
     argv = argv_of(state)
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            args = cli.build_parser(only="plan").parse_args(argv)
+            args = prepare(Parser(prog="trainplan plan"), plan).parse_args(argv[1:])
     except SystemExit:  # argparse's own refusal (a bad number), as the CLI prints it
         message = err.getvalue().strip().removeprefix("trainplan plan: error: ")
         raise BadInput(message, _flag_field(message)) from None
     try:
-        ledger = ledger_of(args)
+        ledger = plan.ledger_of(args)
     except ConfigError as e:
         raise BadInput(str(e), e.field) from None
     except (TrainplanError, ValueError) as e:
@@ -106,7 +150,7 @@ def _flag_field(message: str) -> str:
 
 
 def page() -> bytes:
-    return resources.files("trainplan.ui").joinpath("page.html").read_bytes()
+    return resources.files(__package__).joinpath("page.html").read_bytes()
 
 
 class Handler(BaseHTTPRequestHandler):
