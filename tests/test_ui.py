@@ -64,6 +64,10 @@ def test_bad_input_is_the_clis_one_line_refusal_and_the_server_keeps_serving(ser
         assert "\n" not in body["error"] and body["error"]
     status, body = get(f"{server}/api/plan?colour=red")
     assert status == 400 and "unknown field 'colour'" in body["error"]
+    status, body = get(f"{server}/api/advise?gpus=L4")
+    assert status == 400 and body["error"].startswith("model.source: advise needs a model")
+    status, body = get(f"{server}/api/advise.toml?{urlencode(CASES['lora'])}&row=99999")
+    assert status == 400 and body["error"].startswith("row: '99999' is not one of advise's")
     assert get(f"{server}/api/plan?{urlencode(CASES['lora'])}")[0] == 200  # still serving
     assert get(f"{server}/nothing")[0] == 404
 
@@ -156,3 +160,50 @@ def test_a_port_in_use_is_refused_in_one_line_and_another_host_is_warned_of(caps
         assert cli.main(["ui", "--host", "0.0.0.0", "--port", str(port)]) == 2
         err = capsys.readouterr().err
         assert "warning: serving on 0.0.0.0" in err and "--port: cannot listen on 0.0.0.0:" in err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_advise_tab_ranks_advises_rows_and_its_toml_plans_as_written(server, browser, tmp_path):
+    """The advise tab lists `trainplan advise`'s ranked rows for the page's model, devices, mode and
+    sequence length; row 1's download is the TOML `advise --out` writes, and `trainplan plan` on it
+    says FITS."""
+    state = {"model": "Llama-3.1-8B", "gpus": "8xH100-80GB", "mode": "full", "seq": "2048"}
+    page = browser.new_page()
+    page.goto(f"{server}/?{urlencode(state)}")
+    painted(page)
+    page.click("#advise")
+    page.wait_for_function("Number(document.body.dataset.advised || 0) > 0", timeout=120_000)
+    want = ui.advise_json(state)
+    ranks = page.eval_on_selector_all("#ladder tbody tr", "rows => rows.map(r => Number(r.dataset.rank))")
+    assert ranks == [e["rank"] for e in want["entries"]] and ranks[0] == 1
+    assert want["entries"][0]["summary"] in page.inner_text("#ladder tbody tr:first-child")
+    with page.expect_download() as got:
+        page.click("#ladder tbody tr:first-child a")
+    toml = tmp_path / "row1.toml"
+    got.value.save_as(toml)
+    assert toml.read_text() == ui.advise_toml(state, "1")
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", str(toml), "--json", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["verdict"]["state"] == "FITS"
+    page.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_trace_button_shows_trace_exact_figure_beside_the_analytic_one(server, browser, tmp_path):
+    """The trace button runs `trainplan trace` (the real step on fake tensors) for the page's state in the
+    background and shows its peak beside the analytic one: `trace --json`'s own two figures."""
+    state = {"model": "tiny-llama", "gpus": "cpu", "mode": "lora", "seq": "64", "micro": "2"}
+    page = browser.new_page()
+    page.goto(f"{server}/?{urlencode(state)}")
+    painted(page)
+    page.click("#trace")
+    page.wait_for_function("Number(document.body.dataset.traced || 0) > 0", timeout=120_000)
+    out = tmp_path / "trace.json"
+    assert cli.main(["trace", *ui.argv_of(state)[1:], "--json", "-o", str(out)]) == 0
+    want = json.loads(out.read_text())["comparison"]
+    assert int(page.get_attribute("#trace-result", "data-traced")) == want["traced_peak_bytes"]
+    assert int(page.get_attribute("#trace-result", "data-analytic")) == want["analytic_peak_bytes"]
+    assert page.inner_text("#trace-result").startswith("peak: analytic ")
+    page.close()

@@ -29,8 +29,23 @@ def render_comparison(rows: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from trainplan.plan.ledger import render_markdown, render_table
+
+    ledger, comparison = traced_of(args)
+    if args.json:
+        emit(args, json.dumps({**ledger.to_json(), "comparison": comparison}, indent=1))
+    else:
+        body = render_markdown(ledger) if args.markdown else render_table(ledger, terminal=is_terminal(args.output))
+        lines = [body, "", "Analytic vs traced (allocated bytes, per phase):", render_comparison(comparison["rows"])]
+        emit(args, "\n".join([*lines, "", comparison["summary"]]))
+    return ledger.exit_code_for(strict=args.strict)
+
+
+def traced_of(args: argparse.Namespace) -> tuple:
+    """(the traced ledger, its comparison with the analytic one) that `trainplan trace` prints for these
+    arguments (`trainplan ui`'s trace button asks the same)."""
     from trainplan.plan import analytic, traced
-    from trainplan.plan.ledger import gib, render_markdown, render_table
+    from trainplan.plan.ledger import gib
 
     result, resolved = traced.trace(config_from_args(args))
     analytic_ledger = analytic.plan(resolved.cfg, resolved.spec)
@@ -43,24 +58,13 @@ def run(args: argparse.Namespace) -> int:
         f"({result.peak_phase}): {diff:+.2f}% of traced; traced in {result.seconds:.1f} s, "
         f"max RSS {gib(result.max_rss_bytes)}"
     )
-    if args.json:
-        doc = ledger.to_json()
-        doc["comparison"] = {
-            "rows": rows,
-            "summary": summary,
-            "row_sources": result.rows,
-            "analytic_peak_bytes": a_dev.peak_allocated,
-            "traced_peak_bytes": result.peak_bytes,
-            "seconds": result.seconds,
-            "max_rss_bytes": result.max_rss_bytes,
-        }
-        emit(args, json.dumps(doc, indent=1))
-    else:
-        body = render_markdown(ledger) if args.markdown else render_table(ledger, terminal=is_terminal(args.output))
-        emit(
-            args,
-            "\n".join(
-                [body, "", "Analytic vs traced (allocated bytes, per phase):", render_comparison(rows), "", summary]
-            ),
-        )
-    return ledger.exit_code_for(strict=args.strict)
+    comparison = {
+        "rows": rows,
+        "summary": summary,
+        "row_sources": result.rows,
+        "analytic_peak_bytes": a_dev.peak_allocated,
+        "traced_peak_bytes": result.peak_bytes,
+        "seconds": result.seconds,
+        "max_rss_bytes": result.max_rss_bytes,
+    }
+    return ledger, comparison

@@ -111,19 +111,12 @@ def command_of(argv: list[str]) -> str:
 
 
 def plan_json(state: dict[str, str]) -> dict:
-    """{"command", "plan"}: the plan `trainplan plan --json` prints for this state. Raises
-    ValueError with the CLI's one-line message (and `field`, where it names one) on bad input."""
+    """{"command", "plan"}: the plan `trainplan plan --json` prints for this state. Raises BadInput
+    with the CLI's one-line message (and `field`, where it names one) on bad input."""
     from trainplan.commands import plan
-    from trainplan.commands._common import Parser, prepare
 
     argv = argv_of(state)
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            args = prepare(Parser(prog="trainplan plan"), plan).parse_args(argv[1:])
-    except SystemExit:  # argparse's own refusal (a bad number), as the CLI prints it
-        message = err.getvalue().strip().removeprefix("trainplan plan: error: ")
-        raise BadInput(message, _flag_field(message)) from None
+    args = _parse("plan", plan, argv[1:])
     try:
         ledger = plan.ledger_of(args)
     except ConfigError as e:
@@ -131,6 +124,82 @@ def plan_json(state: dict[str, str]) -> dict:
     except (TrainplanError, ValueError) as e:
         raise BadInput(str(e).splitlines()[0], "") from None
     return {"command": command_of(argv), "plan": ledger.to_json()}
+
+
+# What advise takes of the page's state: the rest (micro-batch, strategy, tp, ...) is what it searches.
+ADVISE_FIELDS = (("model", None), ("gpus", "--gpus"), ("mode", "--mode"), ("seq", "--seq"))
+
+
+def _parse(name: str, module, argv: list[str]) -> argparse.Namespace:
+    """`trainplan <name> argv` parsed by the CLI's own parser; argparse's refusal as BadInput."""
+    from trainplan.commands._common import Parser, prepare
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return prepare(Parser(prog=f"trainplan {name}"), module).parse_args(argv)
+    except SystemExit:  # argparse's own refusal (a bad number), as the CLI prints it
+        message = err.getvalue().strip().removeprefix(f"trainplan {name}: error: ")
+        raise BadInput(message, _flag_field(message)) from None
+
+
+def _advised(state: dict[str, str]):
+    """(advise's argv, its search, its ranked rows) for the page's state: `trainplan advise`'s own code."""
+    from trainplan.advise.rank import ranked
+    from trainplan.advise.search import search
+    from trainplan.commands import advise
+
+    argv_of(state)  # the same field check
+    if not state.get("model", "").strip():
+        raise BadInput("model.source: advise needs a model; give one in the model field", "model.source")
+    argv = ["advise"]
+    for key, flag in ADVISE_FIELDS:
+        value = state.get(key, "").strip()
+        if value:
+            argv += [value] if flag is None else [flag, value]
+    args = _parse("advise", advise, argv[1:])
+    try:
+        s = search(advise.request_from_args(args))
+    except ConfigError as e:
+        raise BadInput(str(e), e.field) from None
+    except (TrainplanError, ValueError) as e:
+        raise BadInput(str(e).splitlines()[0], "") from None
+    return argv, s, ranked(s, "ladder")
+
+
+def advise_json(state: dict[str, str], top: int = 10) -> dict:
+    """{"command", "fit", "entries"}: `trainplan advise`'s ranked rows (its --format json entries)."""
+    from trainplan.advise.rank import entry_json
+
+    argv, s, order = _advised(state)
+    entries = [entry_json(s, o, i + 1, "ladder") for i, o in enumerate(order[:top])]
+    return {"command": command_of(argv), "fit": len(order), "entries": entries}
+
+
+def advise_toml(state: dict[str, str], row: str) -> str:
+    """Row `row` of advise's ranked list as the TOML `advise --out` writes."""
+    from trainplan.advise.rank import out_toml
+
+    _, s, order = _advised(state)
+    if not row.isascii() or not row.isdigit() or not 1 <= int(row) <= len(order):
+        raise BadInput(f"row: {row!r} is not one of advise's {len(order)} rows; choose 1..{len(order)}", "row")
+    return out_toml(s, order[int(row) - 1], int(row), len(order), "ladder", "trainplan.toml")
+
+
+def trace_json(state: dict[str, str]) -> dict:
+    """{"command", "comparison"}: `trainplan trace --json`'s comparison of the traced peak (the real
+    model's step on fake tensors) with the analytic one, for the page's state."""
+    from trainplan.commands import trace
+
+    argv = ["trace", *argv_of(state)[1:]]
+    args = _parse("trace", trace, argv[1:])
+    try:
+        _, comparison = trace.traced_of(args)
+    except ConfigError as e:
+        raise BadInput(str(e), e.field) from None
+    except (TrainplanError, ValueError) as e:
+        raise BadInput(str(e).splitlines()[0], "") from None
+    return {"command": command_of(argv), "comparison": comparison}
 
 
 class BadInput(ValueError):
@@ -160,23 +229,32 @@ class Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         if url.path == "/":
             return self._send(HTTPStatus.OK, "text/html; charset=utf-8", page())
-        if url.path == "/api/plan":
-            query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
-            try:
-                body = plan_json(query)
-            except BadInput as e:
-                return self._json(HTTPStatus.BAD_REQUEST, {"error": str(e), "field": e.field})
-            except ValueError as e:
-                return self._json(HTTPStatus.BAD_REQUEST, {"error": str(e), "field": ""})
-            return self._json(HTTPStatus.OK, body)
+        query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
+        try:
+            if url.path == "/api/plan":
+                return self._json(HTTPStatus.OK, plan_json(query))
+            if url.path == "/api/trace":  # seconds (it imports torch): the page asks in the background
+                return self._json(HTTPStatus.OK, trace_json(query))
+            if url.path == "/api/advise":
+                return self._json(HTTPStatus.OK, advise_json(query))
+            if url.path == "/api/advise.toml":
+                row = query.pop("row", "1")
+                text = advise_toml(query, row).encode()
+                return self._send(HTTPStatus.OK, "application/toml; charset=utf-8", text, f"trainplan-row{row}.toml")
+        except BadInput as e:
+            return self._json(HTTPStatus.BAD_REQUEST, {"error": str(e), "field": e.field})
+        except ValueError as e:
+            return self._json(HTTPStatus.BAD_REQUEST, {"error": str(e), "field": ""})
         return self._json(HTTPStatus.NOT_FOUND, {"error": f"no such page: {url.path}", "field": ""})
 
     def _json(self, status: HTTPStatus, body: dict) -> None:
         self._send(status, "application/json", json.dumps(body).encode())
 
-    def _send(self, status: HTTPStatus, kind: str, body: bytes) -> None:
+    def _send(self, status: HTTPStatus, kind: str, body: bytes, filename: str = "") -> None:
         self.send_response(status)
         self.send_header("Content-Type", kind)
+        if filename:  # a download the browser saves where its user says: the server writes nothing
+            self.send_header("Content-Disposition", f'attachment; filename="{filename}"')
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
         self.end_headers()
