@@ -62,6 +62,10 @@ def test_bad_input_is_the_clis_one_line_refusal_and_the_server_keeps_serving(ser
         status, body = get(f"{server}/api/plan?{query}")
         assert status == 400 and body["field"] == field, body
         assert "\n" not in body["error"] and body["error"]
+    status, body = get(f"{server}/api/plan?model=--data=/etc/passwd")  # never read as a flag
+    assert status == 400 and body["field"] == "model.source" and "is not a model" in body["error"]
+    status, body = get(f"{server}/api/plan?model=/nonexistent/model-dir")
+    assert status == 400 and body["error"].startswith("model.source: ") and "\n" not in body["error"]
     status, body = get(f"{server}/api/plan?colour=red")
     assert status == 400 and "unknown field 'colour'" in body["error"]
     status, body = get(f"{server}/api/advise?gpus=L4")
@@ -72,11 +76,20 @@ def test_bad_input_is_the_clis_one_line_refusal_and_the_server_keeps_serving(ser
     assert get(f"{server}/nothing")[0] == 404
 
 
+def test_a_request_for_another_host_is_refused(server):
+    """DNS rebinding: a page of another site that resolves its name to 127.0.0.1 reaches this server, but
+    its requests name that site in their Host header."""
+    request = urllib.request.Request(f"{server}/api/plan", headers={"Host": "evil.example:80"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=30)
+    assert e.value.code == 403
+
+
 def test_the_command_line_is_the_state_and_plans_the_same(tmp_path):
     state = {**CASES["zero3-8gpu"], "checkpointing": "1", "tp": "2"}
     argv = ui.argv_of(state)
     assert ui.command_of(argv) == (
-        "trainplan plan Llama-3.1-8B --gpus 8xH100-80GB --mode full --strategy zero3 --tp 2 --checkpointing"
+        "trainplan plan --model Llama-3.1-8B --gpus 8xH100-80GB --mode full --strategy zero3 --tp 2 --checkpointing"
     )
     assert ui.plan_json(state)["plan"] == cli_plan(state, tmp_path)
 
@@ -138,6 +151,19 @@ def test_the_page_shows_each_devices_plan_and_follows_every_change(server, brows
     assert "seq=8192" in page.url and "micro=4" in page.url
     assert page.input_value("#command") == ui.command_of(ui.argv_of(state))
 
+    # by keyboard alone: Tab from the accumulation field to the sequence length, type a new one
+    page.focus("input[name=accum]")
+    page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.name") == "seq"
+    page.keyboard.press("Control+A")
+    page.keyboard.type("4096")
+    n = painted(page, n)
+    assert "seq=4096" in page.url
+    assert shown_totals(page) == [d["total_bytes"] for d in cli_plan({**state, "seq": "4096"}, tmp_path)["devices"]]
+    # a narrow window: nothing wider than it
+    page.set_viewport_size({"width": 420, "height": 900})
+    assert page.evaluate("document.documentElement.scrollWidth") <= 420
+
     page.fill("input[name=seq]", "-5")
     painted(page, n)
     message = page.inner_text("#error")
@@ -182,7 +208,7 @@ def test_the_advise_tab_ranks_advises_rows_and_its_toml_plans_as_written(server,
         page.click("#ladder tbody tr:first-child a")
     toml = tmp_path / "row1.toml"
     got.value.save_as(toml)
-    assert toml.read_text() == ui.advise_toml(state, "1")
+    assert toml.read_text() == ui.advise_toml(state, "1")[1] and got.value.suggested_filename == "trainplan-row1.toml"
     out = tmp_path / "plan.json"
     assert cli.main(["plan", str(toml), "--json", "-o", str(out)]) == 0
     assert json.loads(out.read_text())["verdict"]["state"] == "FITS"

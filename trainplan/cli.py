@@ -4,12 +4,11 @@ trainplan/commands/<name>.py with `add_args(p)` and `run(args) -> int`."""
 from __future__ import annotations
 
 import argparse
-import errno
 import importlib
 import logging
 import sys
 
-from trainplan.commands._common import Parser, prepare
+from trainplan.commands._common import Parser, os_error_text, prepare, save_traceback
 from trainplan.errors import EXIT_BAD_INPUT, EXIT_CODES_HELP, EXIT_INTERNAL, EXIT_STOPPED, TrainplanError
 from trainplan.text import error_lines
 
@@ -117,41 +116,3 @@ def run_command(args) -> int:
             file=sys.stderr,
         )
         return EXIT_INTERNAL
-
-
-def os_error_text(e: BaseException) -> str:
-    """One line for an OS or decoding error on a path the user gave, with what to do."""
-    if isinstance(e, UnicodeDecodeError):
-        return f"a file is not UTF-8 text ({e.reason} at byte {e.start}); give a UTF-8 text file"
-    name = f" {e.filename!r}" if getattr(e, "filename", None) else ""
-    fixes = {
-        errno.ENOSPC: "free space on that filesystem, or write elsewhere",
-        errno.EROFS: "the filesystem is read-only: write elsewhere",
-        errno.EACCES: "check its permissions, or write elsewhere",
-        errno.EPERM: "check its permissions, or write elsewhere",
-        errno.ENOENT: "check the path",
-        errno.EISDIR: "give a file, not a directory",
-        errno.ENOTDIR: "a part of the path is a file, not a directory",
-    }
-    fix = fixes.get(getattr(e, "errno", None), "check the path")
-    return f"{e.strerror or type(e).__name__}:{name}; {fix}".replace("\n", " ")
-
-
-def save_traceback() -> str:
-    """Write the current exception's traceback to a file; returns its path."""
-    import os
-    import tempfile
-    import time
-    import traceback
-
-    text = traceback.format_exc()
-    for root in (os.path.expanduser("~/.cache/trainplan/tracebacks"), tempfile.gettempdir()):
-        try:
-            os.makedirs(root, exist_ok=True)
-            path = os.path.join(root, f"trainplan-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt")
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-            return path
-        except OSError:
-            continue
-    return "not saved: no writable directory"

@@ -266,28 +266,30 @@ def test_two_stages_replicated_by_ddp_on_four_ranks_reproduce_one_process(untied
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_accept_on_two_stages_passes_and_its_checkpoint_resumes_on_one_process(untied, tmp_path):
-    """`trainplan accept --nproc 2 --set parallel.pp=2`: every check on the stages, its resume check
-    bitwise through a DCP checkpoint of each stage's weights and optimizer state (stage 0's param group
-    kept its own hyperparameters); that checkpoint then resumes on one process (pp 2 -> 1), whose two
-    remaining steps are the uninterrupted pipeline's."""
+def test_verify_resume_on_two_stages_is_bitwise_and_its_checkpoint_resumes_on_one_process(untied, tmp_path, capsys):
+    """`trainplan verify-resume --nproc 2 --set parallel.pp=2`: 4 steps uninterrupted against 2, a DCP
+    checkpoint of each stage's weights and optimizer state (stage 0's param group keeps its own
+    hyperparameters), and 2 more in fresh processes: bitwise (losses, norms, LRs, weight and optimizer
+    hashes). That checkpoint then resumes on one process (pp 2 -> 1), whose two steps are the
+    uninterrupted pipeline's. (Its memory and contract: the train test above; accept adds its quality
+    and instability checks, which do not depend on the layout.)"""
     from trainplan import cli
 
     sets = [*untied, "mode=full", "parallel.pp=2"]
-    argv = ["accept", *(x for s in sets for x in ("--set", s)), "--output-dir", str(tmp_path), "--nproc", "2"]
-    code = cli.main([*argv, "--resume-steps", "4", "--resume-at", "2", "--overfit-steps", "3", "--registry", "off"])
-    result = json.loads((tmp_path / "accept.json").read_text())
-    assert code == 0 and result["verdict"] == "PASS", result["failing"]
-    assert result["record"]["hardware"]["ran"]["pp"] == 2
-    resume = next(c for c in result["checks"] if c["key"] == "resume")["evidence"]
-    assert resume["max_deviation"] == {"loss": 0.0, "grad_norm": 0.0, "lr": 0.0}
-    (ckpt,) = (tmp_path / "resume" / "checkpoints").iterdir()
+    work = tmp_path / "verify"
+    argv = ["verify-resume", *(x for s in sets for x in ("--set", s)), "--steps", "4", "--at", "2"]
+    code = cli.main([*argv, "--workdir", str(work), "--nproc", "2", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["passed"], result["checks"]
+    assert result["max_deviation"] == {"loss": 0.0, "grad_norm": 0.0, "lr": 0.0}
+    assert all(result["checks"].values()) and "weights_hash" in result["checks"]
+    (ckpt,) = (work / "checkpoints").iterdir()
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["format"] == "dcp" and manifest["world_size"] == 2
-    one = ["parallel.pp=1", "hardware.gpus=cpu", "train.steps=4", f"checkpoint.dir={ckpt.parent}"]
+    one = [*untied, "mode=full", "hardware.gpus=cpu", "train.steps=4", f"checkpoint.dir={ckpt.parent}"]
     one += ["checkpoint.resume=auto", f"train.output_dir={tmp_path / 'one'}"]
-    resumed = execute(C.load(tmp_path / "config.toml", one), quiet=True)[0].to_json()
-    uninterrupted = json.loads((tmp_path / "resume" / "uninterrupted" / "record.json").read_text())
+    resumed = execute(C.load(None, one), quiet=True)[0].to_json()
+    uninterrupted = json.loads((work / "uninterrupted" / "record.json").read_text())
     assert resumed["resume"]["step"] == 2 and [s["step"] for s in resumed["steps"]] == [3, 4]
     for key in ("loss", "grad_norm"):
         want = [s[key] for s in uninterrupted["steps"][2:]]

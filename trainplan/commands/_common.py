@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -300,3 +301,41 @@ def check_fraction(flag: str, value: float, *, zero_ok: bool = False, example: s
     if not (low_ok and value < 1):  # nan fails both comparisons
         interval = "[0, 1)" if zero_ok else "(0, 1)"
         raise TrainplanError(f"{flag}: must be in {interval} (got {value}); e.g. {flag} {example}")
+
+
+def os_error_text(e: BaseException) -> str:
+    """One line for an OS or decoding error on a path the user gave, with what to do."""
+    if isinstance(e, UnicodeDecodeError):
+        return f"a file is not UTF-8 text ({e.reason} at byte {e.start}); give a UTF-8 text file"
+    name = f" {e.filename!r}" if getattr(e, "filename", None) else ""
+    fixes = {
+        errno.ENOSPC: "free space on that filesystem, or write elsewhere",
+        errno.EROFS: "the filesystem is read-only: write elsewhere",
+        errno.EACCES: "check its permissions, or write elsewhere",
+        errno.EPERM: "check its permissions, or write elsewhere",
+        errno.ENOENT: "check the path",
+        errno.EISDIR: "give a file, not a directory",
+        errno.ENOTDIR: "a part of the path is a file, not a directory",
+    }
+    fix = fixes.get(getattr(e, "errno", None), "check the path")
+    return f"{e.strerror or type(e).__name__}:{name}; {fix}".replace("\n", " ")
+
+
+def save_traceback() -> str:
+    """Write the current exception's traceback to a file; returns its path."""
+    import os
+    import tempfile
+    import time
+    import traceback
+
+    text = traceback.format_exc()
+    for root in (os.path.expanduser("~/.cache/trainplan/tracebacks"), tempfile.gettempdir()):
+        try:
+            os.makedirs(root, exist_ok=True)
+            path = os.path.join(root, f"trainplan-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt")
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+            return path
+        except OSError:
+            continue
+    return "not saved: no writable directory"

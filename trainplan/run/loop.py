@@ -150,9 +150,9 @@ class Trainer:
         self.record.hardware["ran"] = self._as_run(None)
 
     @property
-    def stages(self) -> dist.DistEnv | None:
-        """The process group of the pipeline's stages (None: no pipeline)."""
-        return self.env if self.pipeline is not None else None
+    def stages(self) -> tuple[dist.DistEnv, object] | None:
+        """(env, layout) of a pipeline's ranks (None: no pipeline): each stage's tensors are its own."""
+        return (self.env, self.pipeline.dims) if self.pipeline is not None else None
 
     def _as_run(self, optimizer) -> dict:
         ran = record.as_run(self.model, optimizer, self.settings.prec.compute_dtype)
@@ -340,7 +340,7 @@ class Trainer:
         if moved is not None:
             moved.reset_peak()
         with meter or contextlib.nullcontext():
-            if self.pipeline is not None:  # 1F1B through the stages: every rank takes the same micro-batches
+            if self.pipeline is not None:  # 1F1B through the stages: a replica's stages take the same micro-batches
                 res = self.pipeline.step(state, micro, self.settings, token_count=tokens, hooks=hooks)
             else:
                 res = step.train_step(self.model, state, micro, self.settings, token_count=tokens, hooks=hooks)

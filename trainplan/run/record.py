@@ -244,10 +244,11 @@ def _tp_degree(model: torch.nn.Module) -> int:
     return 1
 
 
-def state_hashes(model, optimizer, *, stages: dist.DistEnv | None = None) -> dict:
+def state_hashes(model, optimizer, *, stages: tuple | None = None) -> dict:
     """Hashes of the whole trainable weights and optimizer state, independent of the sharding.
 
-    stages: pipeline stages, each holding its own tensors: every stage's hashes, hashed in stage order
+    stages: (env, dims) of pipeline stages, each holding its own tensors: the first replica's stages'
+    hashes, hashed in stage order
     (a collective), so the hash covers the whole model; equal only on the same stage split."""
     base = getattr(model, "module", model)
     size = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
@@ -261,7 +262,8 @@ def state_hashes(model, optimizer, *, stages: dist.DistEnv | None = None) -> dic
         }
     if stages is None:
         return hashes
-    every = stages.gather(hashes)
+    env, dims = stages
+    every = [h for rank, h in enumerate(env.gather(hashes)) if dims.coords(rank)[1] == 0]  # (stage, replica 0)
     return {
         k: None
         if any(h[k] is None for h in every)
@@ -270,7 +272,7 @@ def state_hashes(model, optimizer, *, stages: dist.DistEnv | None = None) -> dic
     }
 
 
-def fingerprints(model, state, batch, *, stages: dist.DistEnv | None = None) -> dict:
+def fingerprints(model, state, batch, *, stages: tuple | None = None) -> dict:
     """What a resumed run must reproduce: weights, optimizer state, and the next batch's samples
     (stages: pipeline stages, `state_hashes`)."""
     upcoming = copy.deepcopy(state.sampler).take(batch.micro_batch_size * batch.grad_accum_steps)

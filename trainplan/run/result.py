@@ -75,7 +75,7 @@ def save(
         index, count, replica = stage
         own = _write_stage(base, adapter, tmp, index, count) if replica == 0 else None
         parts = [part for part in env.gather(own) if part]
-        state = _full_state_dict(base, trainable_only=True, main=True) if adapter else {}  # the main rank's own
+        state = _full_state_dict(base, trainable_only=True, main=env.is_main) if adapter else {}  # the main rank's own
         if env.is_main and not adapter:
             _write_index(base, tmp, parts)
     else:

@@ -11,11 +11,11 @@ the user typed one (the model field, as `plan` does); it writes nothing."""
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import shlex
+import socket
 import sys
+import threading
 import webbrowser
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -48,9 +48,9 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         server = serve(args.host, args.port)
-    except OSError as e:
-        problem = f"cannot listen on {args.host}:{args.port} ({e.strerror})"
-        raise ConfigError("--port", problem, "give another --port") from None
+    except (OSError, OverflowError) as e:
+        problem = f"cannot listen on {args.host}:{args.port} ({getattr(e, 'strerror', None) or e})"
+        raise ConfigError("--port", problem, "give another --port, or another --host") from None
     host, port = server.server_address[:2]
     url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}/"
     print(f"trainplan ui: {url} (Ctrl-C stops it)", flush=True)
@@ -65,9 +65,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# The page's fields: (query key, the `plan` flag; None: the positional model; "switch": a flag alone).
-FIELDS: tuple[tuple[str, str | None], ...] = (
-    ("model", None),
+# The page's fields: (query key, the `plan` flag: CONFIG_FLAGS' and SWITCHES').
+FIELDS: tuple[tuple[str, str], ...] = (
+    ("model", "--model"),
     ("gpus", "--gpus"),
     ("mode", "--mode"),
     ("precision", "--precision"),
@@ -83,129 +83,64 @@ FIELDS: tuple[tuple[str, str | None], ...] = (
     ("checkpointing", "--checkpointing"),
 )
 SWITCHES = {"checkpointing"}
+# What advise takes of the page's state: the rest (micro-batch, strategy, tp, ...) is what it searches.
+ADVISE_FIELDS = ("model", "gpus", "mode", "seq")
 
 
-def argv_of(state: dict[str, str]) -> list[str]:
-    """The `trainplan plan` arguments of a page state (empty fields left to the defaults)."""
+class BadInput(ValueError):
+    """The page's input refused, with the CLI's one-line message and the field it names."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def argv_of(state: dict[str, str], command: str = "plan", keys=None) -> list[str]:
+    """The `trainplan <command>` arguments of a page state (empty fields left to the defaults; keys:
+    the fields the command takes, all by default). advise takes the model as its positional argument."""
     unknown = sorted(set(state) - {key for key, _ in FIELDS})
     if unknown:
-        raise ValueError(f"unknown field {unknown[0]!r}; the page's fields are {', '.join(k for k, _ in FIELDS)}")
-    argv = ["plan"]
+        raise BadInput(f"unknown field {unknown[0]!r}; the page's fields are {', '.join(k for k, _ in FIELDS)}", "")
+    argv = [command]
     for key, flag in FIELDS:
         value = state.get(key, "").strip()
-        if not value:
+        if not value or (keys is not None and key not in keys):
             continue
         if key in SWITCHES:
             if value not in ("0", "false", "off"):
                 argv.append(flag)
-        elif flag is None:
-            argv.append(value)
+        elif key == "model":  # never read as a flag (--data=... would tokenize a file)
+            if value.startswith("-"):
+                raise BadInput(
+                    f"model.source: {value!r} is not a model; give a preset, a directory, a .gguf or a Hub id",
+                    "model.source",
+                )
+            argv += [value] if command == "advise" else [flag, value]
         else:
             argv += [flag, value]
     return argv
 
 
 def command_of(argv: list[str]) -> str:
-    """The shell line that prints the same plan."""
+    """The shell line that prints the same answer."""
     return shlex.join(["trainplan", *argv])
 
 
-def plan_json(state: dict[str, str]) -> dict:
-    """{"command", "plan"}: the plan `trainplan plan --json` prints for this state. Raises BadInput
-    with the CLI's one-line message (and `field`, where it names one) on bad input."""
-    from trainplan.commands import plan
-
-    argv = argv_of(state)
-    args = _parse("plan", plan, argv[1:])
-    try:
-        ledger = plan.ledger_of(args)
-    except ConfigError as e:
-        raise BadInput(str(e), e.field) from None
-    except (TrainplanError, ValueError) as e:
-        raise BadInput(str(e).splitlines()[0], "") from None
-    return {"command": command_of(argv), "plan": ledger.to_json()}
-
-
-# What advise takes of the page's state: the rest (micro-batch, strategy, tp, ...) is what it searches.
-ADVISE_FIELDS = (("model", None), ("gpus", "--gpus"), ("mode", "--mode"), ("seq", "--seq"))
-
-
-def _parse(name: str, module, argv: list[str]) -> argparse.Namespace:
-    """`trainplan <name> argv` parsed by the CLI's own parser; argparse's refusal as BadInput."""
+def _parse(module, argv: list[str]) -> argparse.Namespace:
+    """`trainplan <argv>` parsed by the CLI's own parser; its refusal (a bad number) as BadInput, with the
+    message the CLI prints."""
     from trainplan.commands._common import Parser, prepare
+    from trainplan.text import error_lines
 
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return prepare(Parser(prog=f"trainplan {name}"), module).parse_args(argv)
-    except SystemExit:  # argparse's own refusal (a bad number), as the CLI prints it
-        message = err.getvalue().strip().removeprefix(f"trainplan {name}: error: ")
-        raise BadInput(message, _flag_field(message)) from None
+    class PageParser(Parser):
+        def error(self, message: str):  # raised, not printed: the server answers many requests at once
+            line = " ".join(error_lines(message))
+            raise BadInput(f"{line}; see {self.prog} --help", _flag_field(line))
 
+        def exit(self, status=0, message=None):  # --help and the like: no flag of the page asks for them
+            raise BadInput(f"{self.prog} takes no such request", "")
 
-def _advised(state: dict[str, str]):
-    """(advise's argv, its search, its ranked rows) for the page's state: `trainplan advise`'s own code."""
-    from trainplan.advise.rank import ranked
-    from trainplan.advise.search import search
-    from trainplan.commands import advise
-
-    argv_of(state)  # the same field check
-    if not state.get("model", "").strip():
-        raise BadInput("model.source: advise needs a model; give one in the model field", "model.source")
-    argv = ["advise"]
-    for key, flag in ADVISE_FIELDS:
-        value = state.get(key, "").strip()
-        if value:
-            argv += [value] if flag is None else [flag, value]
-    args = _parse("advise", advise, argv[1:])
-    try:
-        s = search(advise.request_from_args(args))
-    except ConfigError as e:
-        raise BadInput(str(e), e.field) from None
-    except (TrainplanError, ValueError) as e:
-        raise BadInput(str(e).splitlines()[0], "") from None
-    return argv, s, ranked(s, "ladder")
-
-
-def advise_json(state: dict[str, str], top: int = 10) -> dict:
-    """{"command", "fit", "entries"}: `trainplan advise`'s ranked rows (its --format json entries)."""
-    from trainplan.advise.rank import entry_json
-
-    argv, s, order = _advised(state)
-    entries = [entry_json(s, o, i + 1, "ladder") for i, o in enumerate(order[:top])]
-    return {"command": command_of(argv), "fit": len(order), "entries": entries}
-
-
-def advise_toml(state: dict[str, str], row: str) -> str:
-    """Row `row` of advise's ranked list as the TOML `advise --out` writes."""
-    from trainplan.advise.rank import out_toml
-
-    _, s, order = _advised(state)
-    if not row.isascii() or not row.isdigit() or not 1 <= int(row) <= len(order):
-        raise BadInput(f"row: {row!r} is not one of advise's {len(order)} rows; choose 1..{len(order)}", "row")
-    return out_toml(s, order[int(row) - 1], int(row), len(order), "ladder", "trainplan.toml")
-
-
-def trace_json(state: dict[str, str]) -> dict:
-    """{"command", "comparison"}: `trainplan trace --json`'s comparison of the traced peak (the real
-    model's step on fake tensors) with the analytic one, for the page's state."""
-    from trainplan.commands import trace
-
-    argv = ["trace", *argv_of(state)[1:]]
-    args = _parse("trace", trace, argv[1:])
-    try:
-        _, comparison = trace.traced_of(args)
-    except ConfigError as e:
-        raise BadInput(str(e), e.field) from None
-    except (TrainplanError, ValueError) as e:
-        raise BadInput(str(e).splitlines()[0], "") from None
-    return {"command": command_of(argv), "comparison": comparison}
-
-
-class BadInput(ValueError):
-    def __init__(self, message: str, field: str) -> None:
-        super().__init__(message)
-        self.field = field
+    return prepare(PageParser(prog=f"trainplan {argv[0]}"), module).parse_args(argv[1:])
 
 
 def _flag_field(message: str) -> str:
@@ -218,8 +153,98 @@ def _flag_field(message: str) -> str:
     return ""
 
 
+def plan_json(state: dict[str, str]) -> dict:
+    """{"command", "plan"}: the plan `trainplan plan --json` prints for this state (commands/plan.py)."""
+    from trainplan.commands import plan
+
+    argv = argv_of(state)
+    return {"command": command_of(argv), "plan": plan.ledger_of(_parse(plan, argv)).to_json()}
+
+
+def _advised(state: dict[str, str]):
+    """(advise's argv, its search, its ranked rows) for the page's state: `trainplan advise`'s own code,
+    ranked as it ranks by default (the ladder, the rows train runs first)."""
+    from trainplan.advise.rank import ranked
+    from trainplan.advise.search import search
+    from trainplan.commands import advise
+
+    if not state.get("model", "").strip():
+        raise BadInput("model.source: advise needs a model; give one in the model field", "model.source")
+    argv = argv_of(state, "advise", ADVISE_FIELDS)
+    args = _parse(advise, argv)
+    s = search(advise.request_from_args(args))
+    return argv, s, ranked(s, args.prefer, include_unrunnable=args.include_unrunnable)
+
+
+def advise_json(state: dict[str, str], top: int = 10) -> dict:
+    """{"command", "fit", "entries"}: `trainplan advise`'s ranked rows (its --format json entries)."""
+    from trainplan.advise.rank import entry_json
+
+    argv, s, order = _advised(state)
+    entries = [entry_json(s, o, i + 1, "ladder") for i, o in enumerate(order[:top])]
+    return {"command": command_of(argv), "fit": len(order), "entries": entries}
+
+
+def advise_toml(state: dict[str, str], row: str) -> tuple[str, str]:
+    """(file name, text): row `row` of advise's ranked list as the TOML `advise --out` writes."""
+    from trainplan.advise.rank import out_toml
+    from trainplan.text import ascii_int
+
+    _, s, order = _advised(state)
+    try:
+        n = ascii_int(row)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= len(order):
+        raise BadInput(f"row: {row!r} is not one of advise's {len(order)} rows; choose 1..{len(order)}", "row")
+    name = f"trainplan-row{n}.toml"
+    return name, out_toml(s, order[n - 1], n, len(order), "ladder", name)
+
+
+_TRACING = threading.Lock()  # one trace at a time: it holds the process's one (fake) process group
+
+
+def trace_json(state: dict[str, str]) -> dict:
+    """{"command", "comparison"}: `trainplan trace --json`'s comparison of the traced peak (the real
+    model's step on fake tensors) with the analytic one, for the page's state (commands/trace.py)."""
+    from trainplan.commands import trace
+
+    argv = ["trace", *argv_of(state)[1:]]
+    args = _parse(trace, argv)
+    with _TRACING:
+        _, comparison = trace.traced_of(args)
+    return {"command": command_of(argv), "comparison": comparison}
+
+
+def answer(ask, *args) -> tuple[HTTPStatus, dict]:
+    """(status, body) of one request: the CLI's one-line message for bad input (400) and for a bug
+    (500, its traceback saved), as `trainplan` prints them; the server goes on either way."""
+    from trainplan.commands._common import os_error_text, save_traceback
+
+    try:
+        return HTTPStatus.OK, ask(*args)
+    except BadInput as e:
+        return HTTPStatus.BAD_REQUEST, {"error": str(e), "field": e.field}
+    except ConfigError as e:
+        return HTTPStatus.BAD_REQUEST, {"error": str(e).splitlines()[0], "field": e.field}
+    except (TrainplanError, ValueError) as e:
+        return HTTPStatus.BAD_REQUEST, {"error": str(e).splitlines()[0] if str(e) else type(e).__name__, "field": ""}
+    except (OSError, UnicodeDecodeError) as e:  # a path typed in the page: missing, unreadable, not text
+        return HTTPStatus.BAD_REQUEST, {"error": os_error_text(e), "field": "model.source"}
+    except Exception as e:  # a bug: one line, the traceback kept in a file
+        where = save_traceback()
+        first = str(e).splitlines()[0] if str(e) else ""
+        return HTTPStatus.INTERNAL_SERVER_ERROR, {
+            "error": f"internal error: {type(e).__name__}: {first} (traceback: {where}; please report it)",
+            "field": "",
+        }
+
+
 def page() -> bytes:
     return resources.files(__package__).joinpath("page.html").read_bytes()
+
+
+API = {"/api/plan": plan_json, "/api/advise": advise_json, "/api/trace": trace_json}
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -227,24 +252,20 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         url = urlsplit(self.path)
+        if not self.server.serves(self.headers.get("Host", "")):  # another site's page, or DNS rebinding
+            return self._json(HTTPStatus.FORBIDDEN, {"error": "this page answers its own address only", "field": ""})
         if url.path == "/":
             return self._send(HTTPStatus.OK, "text/html; charset=utf-8", page())
         query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
-        try:
-            if url.path == "/api/plan":
-                return self._json(HTTPStatus.OK, plan_json(query))
-            if url.path == "/api/trace":  # seconds (it imports torch): the page asks in the background
-                return self._json(HTTPStatus.OK, trace_json(query))
-            if url.path == "/api/advise":
-                return self._json(HTTPStatus.OK, advise_json(query))
-            if url.path == "/api/advise.toml":
-                row = query.pop("row", "1")
-                text = advise_toml(query, row).encode()
-                return self._send(HTTPStatus.OK, "application/toml; charset=utf-8", text, f"trainplan-row{row}.toml")
-        except BadInput as e:
-            return self._json(HTTPStatus.BAD_REQUEST, {"error": str(e), "field": e.field})
-        except ValueError as e:
-            return self._json(HTTPStatus.BAD_REQUEST, {"error": str(e), "field": ""})
+        if url.path in API:
+            return self._json(*answer(API[url.path], query))
+        if url.path == "/api/advise.toml":
+            row = query.pop("row", "1")
+            status, body = answer(advise_toml, query, row)
+            if status != HTTPStatus.OK:
+                return self._json(status, body)
+            name, text = body
+            return self._send(status, "application/toml; charset=utf-8", text.encode(), name)
         return self._json(HTTPStatus.NOT_FOUND, {"error": f"no such page: {url.path}", "field": ""})
 
     def _json(self, status: HTTPStatus, body: dict) -> None:
@@ -264,6 +285,21 @@ class Handler(BaseHTTPRequestHandler):
         pass  # quiet: the page asks on every change
 
 
-def serve(host: str, port: int) -> ThreadingHTTPServer:
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def serves(self, host_header: str) -> bool:
+        """Whether a request's Host header names this server: its own address, or any when it was bound
+        to every interface on purpose (--host 0.0.0.0)."""
+        bound, port = self.server_address[:2]
+        if bound in ("0.0.0.0", "::"):
+            return True
+        names = {bound, "localhost", "127.0.0.1", "[::1]"} if bound in ("127.0.0.1", "::1") else {bound}
+        return host_header in {f"{n}:{port}" for n in names} | {f"[{bound}]:{port}"}
+
+
+def serve(host: str, port: int) -> Server:
     """The server, bound (port 0: any free one); the caller runs serve_forever."""
-    return ThreadingHTTPServer((host, port), Handler)
+    if ":" in host:  # an IPv6 address
+        return type("Server6", (Server,), {"address_family": socket.AF_INET6})((host, port), Handler)
+    return Server((host, port), Handler)

@@ -7,7 +7,7 @@ The planner plans every layout with pp. `trainplan train` runs pp alone (every r
 each stage replicated by DDP on the data axis (parallel.strategy = "ddp"), for full fine-tuning and
 LoRA on Llama models with an untied head: the model is cut to the
 rank's stage before its weights load (engine.py `apply`), the step, the held-out metric, the
-checkpoint (DCP, each stage its own tensors) and the result (gathered on the main rank) go through the
+checkpoint (DCP, each stage its own tensors) and the result (each stage writes its own file) go through the
 stages (tests/run/test_pipeline_parallel.py). What it does not run beside pp is refused by name below."""
 
 from __future__ import annotations

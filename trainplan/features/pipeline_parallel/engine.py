@@ -111,10 +111,11 @@ class Pipeline:
             mesh = init_device_mesh(self.device.type, (dims.pp, dims.dp), mesh_dim_names=("pp", "dp"))
             self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
             ids = [self.device.index] if self.device.type == "cuda" else None
-            submod = self.ddp = DistributedDataParallel(
-                self.module, device_ids=ids, process_group=self.dp_group, gradient_as_bucket_view=True
+            submod = self.ddp = DistributedDataParallel(  # (the rotary buffers are every replica's: no broadcast)
+                self.module, ids, process_group=self.dp_group, gradient_as_bucket_view=True, broadcast_buffers=False
             )
-        self.last_rank = dist.get_global_rank(self.pp_group, dims.pp - 1) if self.pp_group else dims.pp - 1
+        last = dims.pp - 1
+        self.last_rank = dist.get_global_rank(self.pp_group, last) if self.pp_group is not None else last
         stage = PipelineStage(submod, self.index, dims.pp, self.device, group=self.pp_group)
         self.schedule = Schedule1F1B(stage, micro_batches, loss_fn=self._loss, scale_grads=False)
         self._tokens = 1

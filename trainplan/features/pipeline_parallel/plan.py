@@ -39,7 +39,7 @@ def adjust(ctx: RankContext, bill: StepBill, terms: RankTerms) -> StepBill:
       buckets: backward holds the gradients twice. Forward's peak does not (measured on 4 gloo ranks,
       pp 2 x dp 2: the last stage's loss moment of a later micro-batch stayed under its backward's).
 
-    Measured by tests/run/test_pipeline_parallel.py (each stage's 1F1B step within 1.5 % of its plan)."""
+    Measured by tests/run/test_pipeline_parallel.py (each stage's 1F1B step within 1 % of its plan)."""
     from trainplan.plan.phase import Bytes, PhaseBill, StepBill
 
     if ctx.dims.pp == 1 or not ctx.r.training:

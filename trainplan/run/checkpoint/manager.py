@@ -96,7 +96,7 @@ class CheckpointManager:
         # decides, not this world's layout: a zero3 run on one process ("single") writes DCP too.
         # Tensor parallelism's DTensors too (DCP reads them back on another tp), and pipeline stages (each
         # writes its own tensors, under their whole-model names: DCP reads them back on another pp).
-        self.staged = r.dims.pp > 1
+        self.staged, self.dims = r.dims.pp > 1, r.dims
         self.sharded = cfg.parallel.strategy in PARAM_SHARDING_STRATEGIES or r.dims.tp > 1 or self.staged
         self.last: Path | None = None
         self.last_step, self.last_sampler = 0, None  # the step and data position `last` holds
@@ -220,7 +220,7 @@ class CheckpointManager:
                 "raise train.steps to train on from it",
             )
         self.run_id = saved.get("run_id") or self.run_id  # continue that run's lineage
-        info["loaded"] = state_hashes(model, state.optimizer, stages=self.env if self.staged else None)
+        info["loaded"] = state_hashes(model, state.optimizer, stages=(self.env, self.dims) if self.staged else None)
         for note in saved["notes"] if self.env.is_main else []:
             print(f"trainplan train: resume: {note}", file=sys.stderr)
         self.last, self.last_step, self.last_sampler = path, state.step, state.sampler.state_dict()
