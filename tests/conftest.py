@@ -14,9 +14,11 @@ LONGEST_FIRST = (
     "tests/run/test_fault_injection.py",
     "tests/run/test_distributed.py",
     "tests/run/test_accept.py",
+    "tests/run/test_tensor_parallel.py",
     "tests/run/test_checkpoint.py",
     "tests/run/test_guard.py",
     "tests/run/test_engine.py",
+    "tests/run/test_pipeline_parallel.py",
     "tests/test_readme.py",
     "tests/run/test_compile.py",
 )
