@@ -37,6 +37,17 @@ class NotRunnable(ConfigError):
         self.what = what
         super().__init__(field, problem, fix)
 
+    @classmethod
+    def beside(cls, field: str, what: str, layout: str, fix: str) -> NotRunnable:
+        """A feature (`what`, its reason in parentheses) the engine has not run under a layout ("tensor
+        parallelism"), though the planner plans the two together."""
+        return cls(
+            field,
+            f"{what} under {layout} is planned, and the engine does not run the two together",
+            fix,
+            what=f"{what.split(' (')[0]} with {layout}",
+        )
+
 
 class ConfigErrors(ConfigError):
     """Several configuration fields are invalid: one line each, all found before any is reported."""

@@ -85,12 +85,7 @@ def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
     ]
     for field, what, on_, fix in untried:
         if on_:
-            raise NotRunnable(
-                field,
-                f"{what} under pipeline parallelism is planned, and the engine does not run the two together",
-                fix,
-                what=f"{what} with pipeline parallelism",
-            )
+            raise NotRunnable.beside(field, what, "pipeline parallelism", fix)
     accum = resolve_batch(cfg.batch, dims.dp).grad_accum_steps
     if accum < dims.pp:
         raise NotRunnable(

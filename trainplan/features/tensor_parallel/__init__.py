@@ -58,12 +58,8 @@ def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
     ]
     for field, what, on_ in untried:
         if on_:
-            raise NotRunnable(
-                field,
-                f"{what} under tensor parallelism is planned, and the engine does not run the two together",
-                f"turn {field} off with parallel.tp, or set parallel.tp = 1",
-                what=f"{what.split(' (')[0]} with tensor parallelism",
-            )
+            fix = f"turn {field} off with parallel.tp, or set parallel.tp = 1"
+            raise NotRunnable.beside(field, what, "tensor parallelism", fix)
     if dims.dp > 1 and not dims.shards_params:
         raise NotRunnable(
             "parallel.strategy",

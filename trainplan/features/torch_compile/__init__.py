@@ -39,12 +39,8 @@ def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
     """The engine compiles under every data-parallel strategy it runs, not the tp split nor pipeline stages."""
     for field, name, on in (("parallel.tp", "tensor", dims.tp > 1), ("parallel.pp", "pipeline", dims.pp > 1)):
         if cfg.train.compile is True and on:
-            raise NotRunnable(
-                "train.compile",
-                f"torch.compile under {name} parallelism is planned, and the engine does not run the two together",
-                f'set train.compile = false (or "auto") with {field}, or {field} = 1',
-                what=f"torch.compile with {name} parallelism",
-            )
+            fix = f'set train.compile = false (or "auto") with {field}, or {field} = 1'
+            raise NotRunnable.beside("train.compile", "torch.compile", f"{name} parallelism", fix)
 
 
 def untraceable(r: Resolved) -> str | None:
