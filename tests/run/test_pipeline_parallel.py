@@ -254,6 +254,7 @@ def test_two_stages_replicated_by_ddp_on_four_ranks_reproduce_one_process(untied
     for key in ("loss", "grad_norm"):
         assert [s[key] for s in record["steps"]] == pytest.approx([s[key] for s in ref["steps"]], rel=1e-5), key
     assert record["eval_after"]["loss"] == pytest.approx(ref["eval_after"]["loss"], rel=1e-5)
+    assert record["eval_after"]["tokens"] == ref["eval_after"]["tokens"]  # each held-out token once
     check = checks.check_memory(RunRecord.from_json(record), analytic.plan(C.from_dict(record["config"])), 0.05)
     totals = [r for r in check.evidence["rows"] if r["component"] == "total"]
     assert {r["device"] for r in totals} == {f"rank {i} (cpu)" for i in range(4)}

@@ -42,6 +42,7 @@ def test_tp2_reproduces_one_process_and_each_rank_meets_its_plan(tiny_run, tmp_p
     ours, ref = [s["loss"] for s in record["steps"]], [s["loss"] for s in one_process["steps"]]
     assert ours == pytest.approx(ref, rel=1e-5)
     assert record["eval_after"]["loss"] == pytest.approx(one_process["eval_after"]["loss"], rel=1e-5)
+    assert record["eval_after"]["tokens"] == one_process["eval_after"]["tokens"]  # each held-out token once
     ledger = analytic.plan(C.from_dict(record["config"]))
     check = checks.check_memory(RunRecord.from_json(record), ledger, 0.05)
     assert check.passed, check.summary

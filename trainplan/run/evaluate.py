@@ -53,11 +53,13 @@ def evaluate(
     max_batches: int,
     prec: Precision,
     device: torch.device,
-    all_reduce=None,
     training_run: bool = True,
     pipeline=None,
 ) -> dict:
-    """training_run: evaluate under no_grad, not inference_mode: FSDP all-gathers parameters
+    """The held-out metric over `ids`; on several ranks every rank evaluates every row, so each holds
+    the whole metric (summing it over the ranks counted each held-out token once a rank).
+
+    training_run: evaluate under no_grad, not inference_mode: FSDP all-gathers parameters
     during the forward, and inference tensors cannot be updated in place by the next step.
     pipeline: this rank's stage of a pipeline (features/pipeline_parallel/engine.py `Pipeline`), whose
     forward runs through every stage; `model` is then the stage's part of the model."""
@@ -90,8 +92,6 @@ def evaluate(
                 del logits  # not held through the next batch's forward (the tp head's gather is wider)
             loss_sum, correct, count = loss_sum + sums[0], correct + sums[1], count + sums[2]
     reshard(model)
-    if all_reduce is not None:
-        loss_sum, correct, count = (all_reduce(t) for t in (loss_sum, correct, count))
     model.train(was_training)
     mean = float(loss_sum / count) if count else float("nan")
     return {

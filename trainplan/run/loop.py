@@ -199,7 +199,6 @@ class Trainer:
             max_batches=job.cfg.train.eval_batches,
             prec=job.resolved.precision,
             device=self.env.device,
-            all_reduce=self.env.all_reduce_sum if self.env.world > 1 and self.pipeline is None else None,
             training_run=job.training,
             pipeline=self.pipeline,
         )
