@@ -8,8 +8,8 @@ import importlib
 import logging
 import sys
 
-from trainplan.commands._common import Parser, os_error_text, prepare, save_traceback
-from trainplan.errors import EXIT_BAD_INPUT, EXIT_CODES_HELP, EXIT_INTERNAL, EXIT_STOPPED, TrainplanError
+from trainplan.commands._common import Parser, error_text, prepare
+from trainplan.errors import EXIT_BAD_INPUT, EXIT_CODES_HELP, EXIT_INTERNAL, EXIT_STOPPED
 from trainplan.text import error_lines
 
 # name -> module under trainplan/commands/, in the order `trainplan --help` lists them
@@ -90,10 +90,6 @@ def run_command(args) -> int:
     """The command's exit code; a user's error is one line per problem, a bug one line and a saved traceback."""
     try:
         return args._run(args)
-    except TrainplanError as e:  # one line a problem (a config can have several)
-        for line in error_lines(str(e)):
-            print(f"trainplan {args.command}: error: {line}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside a training loop
         print(f"trainplan {args.command}: interrupted", file=sys.stderr)
         return EXIT_STOPPED
@@ -105,14 +101,11 @@ def run_command(args) -> int:
         except (OSError, ValueError, AttributeError):
             pass
         return 128 + 13  # SIGPIPE
-    except (OSError, UnicodeDecodeError) as e:  # a path the user named: missing, unreadable, full, not text
-        print(f"trainplan {args.command}: error: {os_error_text(e)}", file=sys.stderr)
+    except Exception as e:
+        users, text = error_text(e)
+        if not users:  # a bug: one line, the traceback kept in a file
+            print(f"trainplan {args.command}: {text}", file=sys.stderr)
+            return EXIT_INTERNAL
+        for line in error_lines(text):  # one line a problem (a config can have several)
+            print(f"trainplan {args.command}: error: {line}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except Exception as e:  # a bug: one line, the traceback kept in a file
-        where = save_traceback()
-        print(
-            f"trainplan {args.command}: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            f" (traceback: {where}; please report it)",
-            file=sys.stderr,
-        )
-        return EXIT_INTERNAL

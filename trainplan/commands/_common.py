@@ -339,3 +339,16 @@ def save_traceback() -> str:
         except OSError:
             continue
     return "not saved: no writable directory"
+
+
+def error_text(e: Exception) -> tuple[bool, str]:
+    """(whether it is the user's, its text) of an error as every command reports it: the user's (bad
+    input, a path that cannot be read) in its own words, one line a problem; a bug in one line, its
+    traceback saved to a file."""
+    if isinstance(e, TrainplanError):
+        return True, str(e)
+    if isinstance(e, OSError | UnicodeDecodeError):  # a path the user named: missing, unreadable, full, not text
+        return True, os_error_text(e)
+    where = save_traceback()
+    first = str(e).splitlines()[0] if str(e) else ""
+    return False, f"internal error: {type(e).__name__}: {first} (traceback: {where}; please report it)"

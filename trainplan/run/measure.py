@@ -142,7 +142,8 @@ class CompiledStepMeter:
     another step. So the compiled step is measured from the outside, per phase, as totals: on CUDA the
     allocator's max_memory_allocated; on the CPU torch.profiler's allocator events (inductor's buffers
     bypass the dispatcher, not the allocator), from what is live as the step starts (parameters,
-    buffers, gradients, optimizer state, the batch)."""
+    buffers, gradients, optimizer state, the batch). comm: StepMeter's, always empty here (train.compile
+    is refused beside pipeline stages, the only holders of such buffers)."""
 
     def __init__(self, model: nn.Module, optimizer, inputs, device: torch.device, *, lora: bool, comm=()) -> None:
         from trainplan import _torch_private as P

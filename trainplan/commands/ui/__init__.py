@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
 
-from trainplan.errors import ConfigError, TrainplanError
+from trainplan.errors import ConfigError
 
 HELP = "the planner as a local web page: each device's bar against its capacity as you change the settings"
 
@@ -218,26 +218,19 @@ def trace_json(state: dict[str, str]) -> dict:
 
 def answer(ask, *args) -> tuple[HTTPStatus, dict]:
     """(status, body) of one request: the CLI's one-line message for bad input (400) and for a bug
-    (500, its traceback saved), as `trainplan` prints them; the server goes on either way."""
-    from trainplan.commands._common import os_error_text, save_traceback
+    (500, its traceback saved), as `trainplan` prints them (commands/_common.py `error_text`); the
+    server goes on either way."""
+    from trainplan.commands._common import error_text
 
     try:
         return HTTPStatus.OK, ask(*args)
     except BadInput as e:
         return HTTPStatus.BAD_REQUEST, {"error": str(e), "field": e.field}
-    except ConfigError as e:
-        return HTTPStatus.BAD_REQUEST, {"error": str(e).splitlines()[0], "field": e.field}
-    except (TrainplanError, ValueError) as e:
-        return HTTPStatus.BAD_REQUEST, {"error": str(e).splitlines()[0] if str(e) else type(e).__name__, "field": ""}
-    except (OSError, UnicodeDecodeError) as e:  # a path typed in the page: missing, unreadable, not text
-        return HTTPStatus.BAD_REQUEST, {"error": os_error_text(e), "field": "model.source"}
-    except Exception as e:  # a bug: one line, the traceback kept in a file
-        where = save_traceback()
-        first = str(e).splitlines()[0] if str(e) else ""
-        return HTTPStatus.INTERNAL_SERVER_ERROR, {
-            "error": f"internal error: {type(e).__name__}: {first} (traceback: {where}; please report it)",
-            "field": "",
-        }
+    except Exception as e:
+        users, text = error_text(e)
+        status = HTTPStatus.BAD_REQUEST if users else HTTPStatus.INTERNAL_SERVER_ERROR
+        field = getattr(e, "field", "model.source" if isinstance(e, OSError) else "")  # a path: the model's
+        return status, {"error": text.splitlines()[0], "field": field}
 
 
 def page() -> bytes:
