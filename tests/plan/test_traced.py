@@ -249,6 +249,28 @@ def test_fsdp_trace_per_rank_with_a_fake_process_group(tiny_dir):
     assert result.world_size == 4
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [("cpu,cpu", "parallel.tp=2"), ("cpu,cpu,cpu,cpu", "parallel.tp=2", "parallel.strategy=zero3")],
+    ids=["tp2", "dp2xtp2"],
+)
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_a_tensor_parallel_trace_is_rank_0_and_agrees_with_the_plan(tiny_dir, layout, mode):
+    """tp 2 and 2-D (FSDP2 over dp 2 x tp 2): rank 0 traced with its peers faked, its mesh the engine's,
+    each phase within 0.1 % of the analytic ledger's rank 0 (which multi-process runs measure,
+    tests/run/test_tensor_parallel.py); the trace says which rank it is."""
+    gpus, *extra = layout
+    lora = ["mode=lora", 'lora.target_modules=["all-linear"]'] if mode == "lora" else []
+    model = f"model.source={tiny_dir / 'tied-vocab.json'}"
+    cfg = C.load(None, [model, f"hardware.gpus={gpus}", "batch.seq_len=32", "batch.micro_batch_size=2", *extra, *lora])
+    result, _ = traced.trace(cfg)
+    dev = analytic.plan(cfg).devices[0]
+    assert result.world_size == len(gpus.split(",")) and "rank 0 of" in result.notes[0]
+    for phase in ("forward", "backward", "optimizer"):
+        want = sum(dev.phases[phase].values())
+        assert sum(result.phases[phase].values()) == pytest.approx(want, rel=0.001), phase
+
+
 def test_ddp_and_zero_rows_are_derived_and_say_so(tiny_dir):
     cfg = C.load(
         None,

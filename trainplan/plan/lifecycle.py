@@ -149,10 +149,15 @@ def save(
         if ctx.cpu and ctx.shards.w == 1 and ctx.tp == 1:
             note = "one rank: the full state dict is the parameters themselves, on the host already"
         elif ctx.cpu and ctx.rank == 0:
-            gathered = saved * nbytes + GATHER_COPIES * largest
+            # each gathered tensor is kept, so the one being gathered adds its other buffers to what is
+            # kept: at most the largest's, gathered last (an untied head). A tied head's key gathers the
+            # embedding a second time beside its first copy (measured on 2 gloo ranks, tp and FSDP2).
+            tied = ctx.tensors.largest("embedding", 1) * nbytes if ctx.full and ctx.spec.tie_word_embeddings else 0
+            gathered = saved * nbytes + max((GATHER_COPIES - 1) * largest, GATHER_COPIES * tied)
             note = (
                 "rank 0 gathers every tensor in full and keeps them, on the host, for the file it writes; "
-                f"the tensor being gathered is held {GATHER_COPIES + 1} times over meanwhile"
+                f"the tensor being gathered is held {GATHER_COPIES} times over meanwhile"
+                + (", and the tied head's key gathers the embedding again" if tied else "")
             )
         else:
             gathered = GATHER_COPIES * largest

@@ -59,8 +59,8 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
     cfg, _ = choose_checkpointing(cfg, spec)  # "auto": the planner's choice is what is traced
     r = resolve.resolve(cfg, spec)
     features.check_traceable(r)
-    if real and r.dims.shards_params:
-        raise TrainplanError("trace: real-tensor validation runs one process; FSDP needs torchrun")
+    if real and (r.dims.shards_params or r.dims.tp > 1):
+        raise TrainplanError("trace: real-tensor validation runs one process; FSDP and tp need torchrun")
     from trainplan import _torch_private as P
     from trainplan.run import measure
 
@@ -69,13 +69,16 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
     dims = r.dims
     target = "cuda" if r.devices[0].is_gpu else "cpu"
     fsdp = dims.shards_params
-    world = dims.dp if fsdp else 1
+    world = dims.dp if fsdp else 1  # the data-parallel replicas, over which the loss's tokens are counted
+    ranks = dims.world_size if fsdp or dims.tp > 1 else 1  # rank 0 and its faked peers
     events: list | None = [] if target == "cuda" else None
-    if fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
+    if ranks > 1:
+        import torch
 
-        with P.fake_process_group(world):
-            mesh = init_device_mesh("cpu", (world,))
+        from trainplan.run import dist
+
+        with P.fake_process_group(ranks):
+            mesh = dist.mesh(dist.DistEnv(rank=0, local_rank=0, world=ranks, device=torch.device("cpu")), dims)
             phases, adapter_params, states, shapes, micro_steps = traced_step(
                 r, real=real, target=target, world=world, mesh=mesh, events=events
             )
@@ -92,7 +95,7 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
     rows = {c: "traced" for ph in comps.values() for c in ph}
     notes = [
         f"traced on {'real' if real else 'fake'} CPU tensors: "
-        f"{'FSDP rank 0 of ' + str(world) if fsdp else 'one rank'}, "
+        f"{'rank 0 of ' + str(ranks) + ' (' + dims.describe() + ')' if ranks > 1 else 'one rank'}, "
         f"{micro_steps} micro-batch(es) per step, measured on the second step"
     ]
     if not fsdp and dims.keeps_grads_between_steps and cfg.mode != "inference":
@@ -116,7 +119,7 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
         phases=comps,
         raw=phases,
         rows=rows,
-        world_size=world,
+        world_size=ranks,
         seconds=time.perf_counter() - t0,
         max_rss_bytes=rss,
         notes=notes,

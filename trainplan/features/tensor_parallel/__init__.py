@@ -81,11 +81,8 @@ def runnable_model(model_type: str) -> None:
         )
 
 
-def untraceable(r: Resolved) -> str | None:
-    if r.dims.tp > 1:  # tried 2026-12-06: rank 0 of tp 2 on torch's fake collectives held +23 % in forward
-        return (
-            "parallel.tp: the trace would run rank 0 with its peers faked, and torch's fake collectives allocate "
-            "the head's all-gather unlike a real one (+T x V bytes); use `trainplan plan`, which multi-process "
-            "runs measure per rank within 0.1 %"
-        )
+def untraceable(r: Resolved) -> None:
+    """The trace runs rank 0 of tp with its peers faked (plan/traced.py): the head's gather is the engine's
+    own all-gather into a buffer it allocates (engine.py gather_vocab), so the fake collectives allocate
+    what a real one does (torch's funcol gather, used before, held T x V more: +23 % in forward)."""
     return None

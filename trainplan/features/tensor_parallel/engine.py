@@ -81,6 +81,62 @@ def gather_vocab(shard: torch.Tensor, group) -> torch.Tensor:
     return _GatherVocab.apply(shard, group)
 
 
+class _SumOverTP(torch.autograd.Function):
+    """The tp ranks' partial embeddings summed in place (each row is non-zero on the one rank whose
+    vocabulary shard holds its token); the gradient passes through unchanged, since everything after
+    the embedding is computed alike on every tp rank (Megatron's reduce-from-model-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group) -> torch.Tensor:
+        dist.all_reduce(partial, group=group)
+        ctx.mark_dirty(partial)
+        return partial
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _vocab_parallel_forward(module: nn.Embedding, group, ids: torch.Tensor) -> torch.Tensor:
+    """The embedding of `ids` from this rank's vocabulary shard (rows of torch.chunk's split, as the
+    Shard(0) DTensor holds them): tokens outside it look up row 0 and are zeroed, then the ranks' rows
+    are summed. Its backward forms the gradient of the shard alone, where DTensor's own embedding
+    backward forms the whole vocabulary's (a V x hidden Replicate gradient on every rank, alive
+    until the optimizer step: measured +9 % of the step on the tiny Llama, untied)."""
+    weight = module.weight
+    local = weight.to_local()
+    start = dist.get_rank(group) * -(-weight.shape[0] // dist.get_world_size(group))
+    outside = (ids < start) | (ids >= start + local.shape[0])
+    pad = module.padding_idx
+    pad = pad - start if pad is not None and start <= pad < start + local.shape[0] else None
+    rows = nn.functional.embedding((ids - start).masked_fill(outside, 0), local, pad)
+    return _SumOverTP.apply(rows.masked_fill(outside.unsqueeze(-1), 0), group)
+
+
+def vocab_parallel():
+    """The embedding split by vocabulary (Megatron's VocabParallelEmbedding): its weight a Shard(0)
+    DTensor as RowwiseParallel makes it, its forward `_vocab_parallel_forward`."""
+    import functools
+
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class VocabParallel(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            if not isinstance(module, nn.Embedding):
+                raise TypeError(f"the vocabulary split takes an nn.Embedding, not {type(module).__name__}")
+
+            def shard(name, mod, mesh):
+                param = nn.Parameter(distribute_tensor(mod.weight, mesh, [Shard(0)]), mod.weight.requires_grad)
+                mod.register_parameter("weight", param)
+
+            distribute_module(module, device_mesh, partition_fn=shard)
+            module.forward = functools.partial(_vocab_parallel_forward, module, device_mesh.get_group())
+            return module
+
+    return VocabParallel()
+
+
 def _linear_plan(layer: nn.Module, name: str, column: bool) -> dict:
     """The styles of one projection: its own, or under PEFT's LoRA its base layer's and its adapters',
     split to match (the plan's shapes, plan/tensors.py `_lora_shapes`): beside a column-wise base, A
@@ -102,8 +158,7 @@ def _linear_plan(layer: nn.Module, name: str, column: bool) -> dict:
 def parallelize(model: nn.Module, mesh) -> nn.Module:
     """Split `model` (a causal LM of tensor_parallel.MODEL_TYPES, on the meta device, PEFT's LoRA in place
     or not) over `mesh`'s tp axis. Which parameters train is kept (the styles make new parameters)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     trains = {name: p.requires_grad for name, p in model.named_parameters()}
     top = model
@@ -119,7 +174,7 @@ def parallelize(model: nn.Module, mesh) -> nn.Module:
                 plan[name] = replicated()  # the norms (Qwen3's per-head q/k norms too)
         parallelize_module(layer, mesh, plan)
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    parallelize_module(base, mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate()), "norm": replicated()})
+    parallelize_module(base, mesh, {"embed_tokens": vocab_parallel(), "norm": replicated()})
     # the head's vocabulary shard, its logits gathered whole for the loss (the plan's "gathered logits")
     parallelize_module(model, mesh, {"lm_head": ColwiseParallel()})
     group = mesh.get_group()
