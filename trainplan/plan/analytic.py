@@ -22,6 +22,7 @@ from trainplan.features.activation_offload import plan as activation_offload
 from trainplan.features.checkpointing import plan as checkpointing
 from trainplan.features.optimizer_offload import plan as optimizer_offload
 from trainplan.features.pipeline_parallel import plan as pipeline_parallel
+from trainplan.features.sharding import plan as sharding
 from trainplan.features.step_in_backward import plan as step_in_backward
 from trainplan.plan import context, lifecycle, offload, packing
 from trainplan.plan import terms as T
@@ -146,7 +147,7 @@ def _fixed_terms(ctx: T.RankContext) -> _Fixed:
 # of every phase and moment, so it comes last. (Features that change one component's size, LoRA's
 # adapters, QLoRA's NF4 weights, 8-bit states, a compiled layer's saved bytes, are read by its term.)
 ADJUSTMENTS = (checkpointing.adjust, step_in_backward.adjust, activation_offload.adjust, optimizer_offload.adjust)
-ADJUSTMENTS += (pipeline_parallel.adjust,)  # last: it doubles the gradients of every backward moment
+ADJUSTMENTS += (sharding.adjust, pipeline_parallel.adjust)  # the pipeline's last: it doubles backward's gradients
 
 
 def _rank_ledger(r: Resolved, rank: int, memo: dict | None = None) -> DeviceLedger:
@@ -332,52 +333,7 @@ def _inference_ledger(
     ctx: T.RankContext, weights: int, buffers: int, runtime: int, explain: dict, noted: dict, load: dict
 ) -> DeviceLedger:
     """Inference: weights + KV cache + the largest transient; no gradients, no optimizer."""
-    spec, batch, layers, last = ctx.spec, ctx.batch, ctx.layers, ctx.last
-    cb, tp = ctx.cb, ctx.tp
-    tokens = batch.micro_batch_size * batch.seq_len
-    kv = kv_cache_bytes(
-        batch=batch.micro_batch_size,
-        context=batch.seq_len,
-        layers=len(layers),
-        kv_heads=spec.num_kv_heads // tp,
-        head_dim=spec.head_dim,
-        dtype_bytes=cb,
-    )
-    h, inter = spec.hidden_size, spec.intermediate_size // tp
-    # Two moments compete: inside the widest layer (residual, normed input, MLP gate/up/act), and
-    # the loss (final hidden state, logits, their fp32 upcast and log-softmax, int64 labels).
-    inputs = 2 * tokens * 8
-    layer = 3 * tokens * h * cb + 3 * tokens * inter * cb
-    vocab = spec.vocab_size  # tensor parallelism gathers the logits whole (features/tensor_parallel)
-    upcast = 4 if cb != 4 else 0  # logits.float() is a no-op on fp32 logits
-    loss = tokens * h * cb + tokens * vocab * (cb + upcast + 4) + batch.micro_batch_size * (2 * batch.seq_len + 1) * 8
-    if tp > 1:  # the head's gather: its shard, the all-gather's stacked buffer, the concatenated logits
-        loss = max(loss, tokens * h * cb + tokens * (-(-vocab // tp) + 2 * vocab) * cb)
-    if last and loss >= layer:
-        transient = Bytes(("the batch's ids and labels", inputs), ("the final hidden state", tokens * h * cb))
-        logits = loss - tokens * h * cb
-    else:
-        transient, logits = Bytes(("the batch's ids and labels", inputs), ("the widest layer's working set", layer)), 0
-    noted |= {"kv_cache": kv, "logits_loss": logits}
-    explain["kv_cache"] = (
-        f"2 (K,V) x batch {batch.micro_batch_size} x context {batch.seq_len} x {len(layers)} layers "
-        f"x {spec.num_kv_heads // tp} KV heads x head_dim {spec.head_dim} x {cb} B"
-    )
-    explain["activations"] = (
-        "the batch and the working set of the widest moment (nothing is saved under inference_mode)"
-    )
-    if last:
-        explain["logits_loss"] = "logits over the evaluated tokens, their fp32 upcast (none in fp32) and log-softmax"
-    phases = {
-        "load": load,
-        "inference": {
-            "weights": weights,
-            "activations": transient,
-            "logits_loss": logits,
-            "kv_cache": kv,
-            "buffers": buffers,
-        },
-    }
+    phases = {"load": load, "inference": lifecycle.inference(ctx, weights, buffers, explain, noted)}
     return _device_ledger(ctx.r, ctx.rank, phases, runtime, explain, {}, noted=noted)
 
 

@@ -22,6 +22,7 @@ maximum over the whole run and names the phase where it peaks. Imports no torch.
 from __future__ import annotations
 
 from trainplan.plan import terms as T
+from trainplan.plan.formulas import kv_cache_bytes
 from trainplan.plan.parts import Bytes
 from trainplan.plan.tensors import NF4_BYTES, NF4_CONSTANTS_BYTES
 
@@ -182,3 +183,59 @@ def _between_steps(ctx: T.RankContext, grads: T.GradTerm) -> int:
     """Gradients that exist between optimizer steps (evaluation, saving): DDP's buckets and ZeRO-2's
     partition stay allocated; otherwise zero_grad(set_to_none) has freed them, accumulated or not."""
     return grads.live_fwd if ctx.dims.keeps_grads_between_steps else 0
+
+
+def inference(ctx: T.RankContext, weights: int, buffers: int, explain: dict, noted: dict) -> dict[str, int]:
+    """The inference phase: weights (and FSDP2's gathered units), the KV cache and the widest transient:
+    inside the widest layer (residual, normed input, MLP gate/up/act) or the loss (final hidden state,
+    logits, their fp32 upcast and log-softmax, int64 labels). Nothing is saved under inference_mode."""
+    from trainplan.features.sharding import plan as sharding
+
+    spec, batch, layers, last = ctx.spec, ctx.batch, ctx.layers, ctx.last
+    cb, tp = ctx.cb, ctx.tp
+    tokens = batch.micro_batch_size * batch.seq_len
+    kv = kv_cache_bytes(
+        batch=batch.micro_batch_size,
+        context=batch.seq_len,
+        layers=len(layers),
+        kv_heads=spec.num_kv_heads // tp,
+        head_dim=spec.head_dim,
+        dtype_bytes=cb,
+    )
+    h, inter = spec.hidden_size, spec.intermediate_size // tp
+    inputs = 2 * tokens * 8
+    layer = 3 * tokens * h * cb + 3 * tokens * inter * cb
+    vocab = spec.vocab_size  # tensor parallelism gathers the logits whole (features/tensor_parallel)
+    upcast = 4 if cb != 4 else 0  # logits.float() is a no-op on fp32 logits
+    loss = tokens * h * cb + tokens * vocab * (cb + upcast + 4) + batch.micro_batch_size * (2 * batch.seq_len + 1) * 8
+    if tp > 1:  # the head's gather: its shard, the all-gather's stacked buffer, the concatenated logits
+        loss = max(loss, tokens * h * cb + tokens * (-(-vocab // tp) + 2 * vocab) * cb)
+    if last and loss >= layer:
+        transient = Bytes(("the batch's ids and labels", inputs), ("the final hidden state", tokens * h * cb))
+        logits = loss - tokens * h * cb
+    else:
+        transient, logits = Bytes(("the batch's ids and labels", inputs), ("the widest layer's working set", layer)), 0
+    copies = 0
+    if ctx.shards.fsdp:  # the units' gathered copies at the widest of FSDP2's moments
+        hidden = tokens * h * cb
+        copies, transient, logits = sharding.inference_moment(
+            ctx, inputs=inputs, layer=layer, hidden=hidden, logits=loss - hidden
+        )
+    noted |= {"kv_cache": kv, "logits_loss": logits}
+    explain["kv_cache"] = (
+        f"2 (K,V) x batch {batch.micro_batch_size} x context {batch.seq_len} x {len(layers)} layers "
+        f"x {spec.num_kv_heads // tp} KV heads x head_dim {spec.head_dim} x {cb} B"
+    )
+    explain["activations"] = (
+        "the batch and the working set of the widest moment (nothing is saved under inference_mode)"
+    )
+    if last:
+        explain["logits_loss"] = "logits over the evaluated tokens, their fp32 upcast (none in fp32) and log-softmax"
+    return {
+        "weights": weights,
+        "weight_copies": copies,
+        "activations": transient,
+        "logits_loss": logits,
+        "kv_cache": kv,
+        "buffers": buffers,
+    }
