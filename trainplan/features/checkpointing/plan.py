@@ -32,6 +32,7 @@ def _inside_top_layer(ctx: RankContext, forward: PhaseBill, acts: ActTerm) -> Ph
     checkpointed layer's input kept and no layer above run yet (a small vocabulary's loss, or a
     pipeline stage without the head, leaves it the peak)."""
     return forward.with_(
+        weight_copies=Bytes(forward["weight_copies"], _fsdp_buffer(ctx, "forward")),
         activations=Bytes(
             acts.inputs,
             ("what the checkpointed layers keep, the top one's included", ctx.in_flight * ctx.ckpt.layers * acts.kept),
@@ -39,6 +40,20 @@ def _inside_top_layer(ctx: RankContext, forward: PhaseBill, acts: ActTerm) -> Ph
         ),
         logits_loss=0,
     )
+
+
+def _fsdp_buffer(ctx: RankContext, when: str) -> tuple[str, int]:
+    """Under FSDP2 with resharding, a second decoder layer's worth of gathered bytes while a checkpointed
+    layer runs: in forward the layer's all-gather buffer, kept until the next layer's copy-out
+    (features/sharding/plan.py); in backward the next layer's all-gather, prefetched while this one
+    recomputes and runs its backward."""
+    on = ctx.shards.fsdp and ctx.dims.reshard_after_forward and ctx.dims.dp > 1
+    what = (
+        "the layer's all-gather buffer, kept for the next copy-out"
+        if when == "forward"
+        else ("the next layer's all-gather, prefetched")
+    )
+    return what, ctx.shards.unit_numel * ctx.cb if on else 0
 
 
 def _recompute(
@@ -62,7 +77,7 @@ def _recompute(
     return end.with_(
         gradients=gradients,
         adapter=adapter.recomputing + (adapter.grads if ctx.persistent_grads else 0),
-        weight_copies=copies,
+        weight_copies=Bytes(copies, _fsdp_buffer(ctx, "backward")),
         activations=Bytes(
             (
                 "the recomputed layer's backward: its saved tensors, the MLP's intermediate gradients and the "
