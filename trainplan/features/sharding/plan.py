@@ -27,6 +27,11 @@ def adjust(ctx: RankContext, bill: StepBill, terms: RankTerms) -> StepBill:
     )
     embedded = ("the embedding's output", ctx.tokens * ctx.spec.hidden_size * ctx.residual)
     phases = dict(bill.phases)
+    forward = phases["forward"]  # inside the last layer's forward: what the layers saved, no logits yet
+    kept = ("the layer's all-gather buffer, kept for the next copy-out", layer)
+    inside = forward.with_(weight_copies=Bytes(forward["weight_copies"], kept), logits_loss=0)
+    if not ctx.ckpt.layers and inside.total > forward.total:  # checkpointing's own moment has the buffer
+        phases["forward"] = inside
     for name in ("forward", "evaluate"):
         if name not in phases:
             continue
