@@ -216,11 +216,13 @@ def inference(ctx: T.RankContext, weights: int, buffers: int, explain: dict, not
     else:
         transient, logits = Bytes(("the batch's ids and labels", inputs), ("the widest layer's working set", layer)), 0
     copies = 0
-    if ctx.shards.fsdp:  # the units' gathered copies at the widest of FSDP2's moments
+    if sharding.defers_buffers(ctx):  # the units' gathered copies at the widest of FSDP2's moments
         hidden = tokens * h * cb
         copies, transient, logits = sharding.inference_moment(
             ctx, inputs=inputs, layer=layer, hidden=hidden, logits=loss - hidden
         )
+    elif ctx.shards.fsdp:  # without resharding (or on one rank) every unit stays gathered
+        copies = Bytes(("every unit gathered", ctx.n_held * cb))
     noted |= {"kv_cache": kv, "logits_loss": logits}
     explain["kv_cache"] = (
         f"2 (K,V) x batch {batch.micro_batch_size} x context {batch.seq_len} x {len(layers)} layers "

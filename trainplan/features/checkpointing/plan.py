@@ -3,6 +3,7 @@ bills it), and backward gains a moment of its own, the top checkpointed layer's 
 
 from __future__ import annotations
 
+from trainplan.features.sharding.plan import defers_buffers
 from trainplan.plan.context import RankContext
 from trainplan.plan.parts import Bytes
 from trainplan.plan.phase import PhaseBill, StepBill
@@ -43,17 +44,15 @@ def _inside_top_layer(ctx: RankContext, forward: PhaseBill, acts: ActTerm) -> Ph
 
 
 def _fsdp_buffer(ctx: RankContext, when: str) -> tuple[str, int]:
-    """Under FSDP2 with resharding, a second decoder layer's worth of gathered bytes while a checkpointed
-    layer runs: in forward the layer's all-gather buffer, kept until the next layer's copy-out
-    (features/sharding/plan.py); in backward the next layer's all-gather, prefetched while this one
-    recomputes and runs its backward."""
-    on = ctx.shards.fsdp and ctx.dims.reshard_after_forward and ctx.dims.dp > 1
-    what = (
-        "the layer's all-gather buffer, kept for the next copy-out"
-        if when == "forward"
-        else ("the next layer's all-gather, prefetched")
-    )
-    return what, ctx.shards.unit_numel * ctx.cb if on else 0
+    """Under FSDP2 with its buffers (features/sharding/plan.py `defers_buffers`), a second decoder layer's
+    worth of gathered bytes while a checkpointed layer runs: in forward the layer's all-gather buffer,
+    kept until the next layer's copy-out; in backward the next layer's all-gather, prefetched while
+    this one recomputes and runs its backward."""
+    if when == "forward":
+        what = "the layer's all-gather buffer, kept for the next copy-out"
+    else:
+        what = "the next layer's all-gather, prefetched"
+    return what, ctx.shards.unit_numel * ctx.cb if defers_buffers(ctx) else 0
 
 
 def _recompute(

@@ -17,8 +17,14 @@ from trainplan.plan.phase import PhaseBill, StepBill
 from trainplan.plan.terms import RankTerms
 
 
+def defers_buffers(ctx: RankContext) -> bool:
+    """Does this rank hold FSDP2's all-gather buffers beside the gathered parameters (resharding, over
+    more than one rank; one rank's units are copied out of their shards without a buffer)?"""
+    return ctx.shards.fsdp and ctx.dims.reshard_after_forward and ctx.dims.dp > 1
+
+
 def adjust(ctx: RankContext, bill: StepBill, terms: RankTerms) -> StepBill:
-    if not (ctx.shards.fsdp and ctx.dims.reshard_after_forward and ctx.dims.dp > 1 and ctx.first and ctx.layers):
+    if not (defers_buffers(ctx) and ctx.first and ctx.layers):
         return bill
     root, layer = ctx.shards.root_numel * ctx.cb, ctx.shards.unit_numel * ctx.cb
     copies = Bytes(
@@ -44,22 +50,13 @@ def adjust(ctx: RankContext, bill: StepBill, terms: RankTerms) -> StepBill:
 
 
 def inference_moment(ctx: RankContext, *, inputs: int, layer: int, hidden: int, logits: int):
-    """Inference under FSDP2 (plan/analytic.py `_inference_ledger`): the widest of its three moments, as
-    (gathered weights, transient, logits). The first layer's copy-out (the root unit held twice, the
-    layer's buffer and parameters, the embedding's output); inside a layer (the root, the layer's
-    buffer kept for the next copy-out, its parameters, the layer's working set); the loss (the root,
-    the last layer's buffer, the final hidden state and the logits). Without resharding every unit
-    stays gathered."""
-    root, unit, cb = ctx.shards.root_numel * ctx.cb, ctx.shards.unit_numel * ctx.cb, ctx.cb
+    """Inference under FSDP2 with its buffers (`defers_buffers`; plan/lifecycle.py `inference`): the widest
+    of its three moments, as (gathered weights, transient, logits). The first layer's copy-out (the
+    root unit held twice, the layer's buffer and parameters, the embedding's output); inside a layer
+    (the root, the layer's buffer kept for the next copy-out, its parameters, the layer's working
+    set); the loss (the root, the last layer's buffer, the final hidden state and the logits)."""
+    root, unit = ctx.shards.root_numel * ctx.cb, ctx.shards.unit_numel * ctx.cb
     ids = ("the batch's ids and labels", inputs)
-    if not ctx.dims.reshard_after_forward or ctx.dims.dp == 1:
-        every = ("every unit gathered" if ctx.dims.dp > 1 else "the one rank's units, copied out", ctx.n_held * cb)
-        widest = max(
-            (Bytes(ids, ("the final hidden state", hidden)), logits),
-            (Bytes(ids, ("the widest layer's working set", layer)), 0),
-            key=lambda m: m[0] + m[1],
-        )
-        return Bytes(every), *widest
     moments = [
         (
             Bytes(
