@@ -82,12 +82,27 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, *, again: bool = True) -> str:
+    """The file's SHA-256. again=False: the sum this process last computed for it, where the file
+    system says the file is the one it read then (device, inode, size, mtime and ctime unchanged: any
+    write moves ctime, which no user call can set back), so a checkpoint's parts are read once per
+    process, not at every later look (keep_last's pruning, the space estimate). A new process reads
+    every file it checks."""
+    st = os.stat(path)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if not again and key in _SUMS:
+        return _SUMS[key]
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
-    return h.hexdigest()
+    if len(_SUMS) >= 4096:  # a long run's pruned checkpoints: their entries are never asked for again
+        _SUMS.clear()
+    _SUMS[key] = h.hexdigest()
+    return _SUMS[key]
+
+
+_SUMS: dict[tuple[int, ...], str] = {}
 
 
 def short_hash(obj: str | bytes, length: int = 16) -> str:

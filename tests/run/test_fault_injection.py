@@ -16,16 +16,19 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-STEPS = 80
 INJECTED = ("kill-writing", "kill-publishing", "kill-pruning")
 MODES = {  # name: (processes, settings, kills)
     "single": (1, ["batch.micro_batch_size=4"], 20),
     "ddp": (2, ["parallel.strategy=ddp", "batch.micro_batch_size=2"], 15),
     "fsdp2": (2, ["parallel.strategy=zero3", "batch.micro_batch_size=2"], 15),
 }
+# The run's steps: the chain's worst case (an injected kill moves the newest checkpoint on by 1 or 2
+# steps, a random one by 0 to 4: it waits for up to 3 new checkpoints, then 50 ms more), and 5 after it.
+# Each step writes a checkpoint, so the steps the uninterrupted tail runs are the chain's cost.
+STEPS = {mode: 3 * kills + 5 for mode, (_, _, kills) in MODES.items()}
 
 
-def _cmd(tiny_run, nproc, out, *extra):
+def _cmd(tiny_run, nproc, out, steps, *extra):
     root, base = tiny_run
     launcher = [sys.executable, "-m", "trainplan"]
     if nproc > 1:
@@ -33,7 +36,7 @@ def _cmd(tiny_run, nproc, out, *extra):
         launcher += ["-m", "trainplan"]
     args = [*launcher, "train"]
     settings = [*base, f"model.source={root / 'weights'}", "model.init=auto", "mode=full"]
-    for item in [*settings, f"train.steps={STEPS}", "train.eval_batches=1", f"train.output_dir={out}", *extra]:
+    for item in [*settings, f"train.steps={steps}", "train.eval_batches=1", f"train.output_dir={out}", *extra]:
         args += ["--set", item]
     return args
 
@@ -65,7 +68,8 @@ def _evidence(kind: str, ck, at: int, proc, stderr: str) -> bool:
 @pytest.mark.parametrize("mode", list(MODES))
 def test_kill_anywhere_then_resume_auto_is_bitwise(tiny_run, tmp_path, mode):
     nproc, settings, kills = MODES[mode]
-    ref = subprocess.run(_cmd(tiny_run, nproc, tmp_path / "ref", *settings), capture_output=True, text=True)
+    steps = STEPS[mode]
+    ref = subprocess.run(_cmd(tiny_run, nproc, tmp_path / "ref", steps, *settings), capture_output=True, text=True)
     assert ref.returncode == 0, ref.stderr[-3000:]
     expected = json.loads((tmp_path / "ref" / "record.json").read_text())["final"]
 
@@ -80,9 +84,9 @@ def test_kill_anywhere_then_resume_auto_is_bitwise(tiny_run, tmp_path, mode):
         if kind == "kill-pruning" and len(done) < 1:  # step latest+2 prunes only with an older one kept
             kind = "kill-writing"
         at = latest + 2
-        assert at <= STEPS, f"the chain ran out of steps at kill {i}"
+        assert at <= steps, f"the chain ran out of steps at kill {i}"
         inject = [f'guard.inject=["{kind}@{at}"]'] if kind != "random" else []
-        cmd = _cmd(tiny_run, nproc, tmp_path / "run", *settings, *resume, *inject)
+        cmd = _cmd(tiny_run, nproc, tmp_path / "run", steps, *settings, *resume, *inject)
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if kind == "random":  # the whole job at once, as a lost machine: launcher and every rank
             if rng.random() < 0.3:  # in start-up: imports, weights, data, resume
@@ -104,7 +108,9 @@ def test_kill_anywhere_then_resume_auto_is_bitwise(tiny_run, tmp_path, mode):
     assert sum(landed[k] for k in INJECTED) == kills - kills // 2, landed
     assert landed["random"] == kills // 2, landed  # every random kill found the job still running
 
-    final = subprocess.run(_cmd(tiny_run, nproc, tmp_path / "run", *settings, *resume), capture_output=True, text=True)
+    final = subprocess.run(
+        _cmd(tiny_run, nproc, tmp_path / "run", steps, *settings, *resume), capture_output=True, text=True
+    )
     assert final.returncode == 0, final.stderr[-3000:]
     record = json.loads((tmp_path / "run" / "record.json").read_text())
     assert record["resume"] is not None and record["final"] == expected
