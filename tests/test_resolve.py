@@ -53,8 +53,8 @@ def job(**settings):
                 "hardware.gpus": "4xH100-80GB",
             },
             True,
-            "parallel.pp",
-            "pipeline parallelism with tensor parallelism, ZeRO or FSDP",
+            "parallel.strategy",
+            "FSDP2 inside pipeline stages",
         ),
         (
             {"parallel.pp": 2, "mode": "inference", "hardware.gpus": "2xH100-80GB"},

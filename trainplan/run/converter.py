@@ -32,10 +32,13 @@ def dtypes(prec: Precision) -> Dtypes:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks (FSDP units, checkpointing units), found through PEFT wrappers too."""
+    """The repeated blocks (FSDP units, checkpointing units), found through PEFT wrappers too; a pipeline
+    stage's, which it keeps under their indices in the whole model (features/pipeline_parallel/engine.py)."""
     for module in model.modules():
         for name in ("layers", "h"):
             blocks = getattr(module, name, None)
+            if isinstance(blocks, nn.ModuleDict) and len(blocks) and module is not model:
+                return list(blocks.values())
             if isinstance(blocks, nn.ModuleList) and len(blocks) and module is not model:
                 return list(blocks)
     raise TrainplanError("model.source: cannot find the decoder layers of this model")

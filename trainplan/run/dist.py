@@ -196,11 +196,13 @@ def wrap(model: nn.Module, dims, env: DistEnv) -> nn.Module:
 
 def mesh(env: DistEnv, dims=None):
     """The run's device mesh: one axis over every rank, or (dp, tp) named "dp" and "tp" under tensor
-    parallelism (tp innermost, spec/parallel.py's rank order)."""
+    parallelism (tp innermost, spec/parallel.py's rank order), or (pp, dp) under pipeline parallelism."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if dims is not None and dims.tp > 1:
         return init_device_mesh(env.device.type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
+    if dims is not None and dims.pp > 1:
+        return init_device_mesh(env.device.type, (dims.pp, dims.dp), mesh_dim_names=("pp", "dp"))
     return init_device_mesh(env.device.type, (env.world,))
 
 

@@ -132,7 +132,15 @@ class Trainer:
             from trainplan.features.pipeline_parallel.engine import Pipeline
 
             r = job.resolved
-            self.pipeline = Pipeline(job.model, r.dims, job.env.rank, r.batch.grad_accum_steps, job.env.device)
+            self.pipeline = Pipeline(
+                job.model,
+                r.dims,
+                job.env.rank,
+                r.batch.grad_accum_steps,
+                job.env.device,
+                mesh=job.mesh,
+                prec=r.precision,
+            )
         wrapped = job.training and self.pipeline is None
         self.model = dist.wrap(job.model, job.resolved.dims, job.env) if wrapped else job.model
         self.before = contract.snapshot(self.model)

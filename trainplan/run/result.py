@@ -73,7 +73,7 @@ def save(
             tmp.mkdir()
         env.barrier()
         index, count, replica = stage
-        own = _write_stage(base, adapter, tmp, index, count) if replica == 0 else None
+        own = _write_stage(base, adapter, tmp, index, count, write=replica == 0)  # gathered by every replica
         parts = [part for part in env.gather(own) if part]
         state = _full_state_dict(base, trainable_only=True, main=env.is_main) if adapter else {}  # the main rank's own
         if env.is_main and not adapter:
@@ -106,11 +106,14 @@ def save(
     }
 
 
-def _write_stage(base: nn.Module, adapter: bool, tmp: Path, index: int, count: int) -> tuple[str, list[str], int]:
-    """This pipeline stage's tensors, copied to the host a tensor at a time and written to its own file in
-    `tmp`: transformers' shard of the whole model (full), or its adapters under the names PEFT gives them
-    in its file, which the main rank merges (PEFT names them from the modules it holds, so each stage
-    names its own). Returns (file name, tensor names, bytes)."""
+def _write_stage(
+    base: nn.Module, adapter: bool, tmp: Path, index: int, count: int, *, write: bool
+) -> tuple[str, list[str], int] | None:
+    """This pipeline stage's tensors, copied to the host a tensor at a time and written (`write`: the
+    stage's first replica) to its own file in `tmp`: transformers' shard of the whole model (full), or its
+    adapters under the names PEFT gives them in its file, which the main rank merges (PEFT names them
+    from the modules it holds, so each stage names its own). Under FSDP2 every replica of the stage
+    gathers each tensor with the others. Returns (file name, tensor names, bytes), None where not written."""
     from safetensors.torch import save_file
 
     if adapter:
@@ -120,7 +123,13 @@ def _write_stage(base: nn.Module, adapter: bool, tmp: Path, index: int, count: i
         own = get_peft_model_state_dict(base, state_dict=trainable)
     else:
         own = base.state_dict()
-    host = {k: v.detach().contiguous().cpu() for k, v in own.items()}
+    host = {}
+    for k, v in own.items():  # a tensor at a time: one gathered tensor on the device at once
+        whole = v.full_tensor() if hasattr(v, "full_tensor") else v
+        if write:
+            host[k] = whole.detach().contiguous().cpu()
+    if not write:
+        return None
     name = f"stage-{index:05d}.safetensors" if adapter else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
     save_file(host, str(tmp / name), metadata={"format": "pt"})
     return name, sorted(host), sum(t.numel() * t.element_size() for t in host.values())

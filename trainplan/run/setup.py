@@ -71,6 +71,7 @@ class Job:
     eval: Split
     model: torch.nn.Module  # on its device, not yet wrapped for data parallelism
     load_peak_bytes: int | None = None  # the device's measured peak while the weights loaded
+    mesh: object = None  # the DeviceMesh the model was sharded or split on (None: no FSDP2, tp or pp)
     locks: tuple = ()  # the main rank's DirLocks on the run's directories, released when the run ends
 
     @property
@@ -195,8 +196,9 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, l
     if cfg.train.epochs:
         steps = data.steps_for_epochs(cfg.train.epochs, train.ids.shape[0], r.batch.global_batch_size)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
-    mesh = dist.mesh(env, r.dims) if r.dims.shards_params or features.tensor_parallel.active(r) else None
     staged = features.pipeline_parallel.active(r)  # each rank builds and loads its own stage only
+    sharded = r.dims.shards_params or features.tensor_parallel.active(r)
+    mesh = dist.mesh(env, r.dims) if sharded or (staged and env.dp > 1) else None
     if staged and train.lengths is not None:
         raise ConfigError(
             "data.packing",
@@ -226,6 +228,7 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, l
         eval=held_out,
         model=model,
         load_peak_bytes=meter.peak_bytes if meter else None,
+        mesh=mesh,
         locks=locks,
     )
 

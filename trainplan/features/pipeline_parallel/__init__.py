@@ -4,7 +4,8 @@ first stage, the final norm, the head and the loss on the last, run by torch.dis
 1F1B schedule with the accumulation window's micro-batches as its micro-batches.
 
 The planner plans every layout with pp. `trainplan train` runs pp alone (every rank a stage) or with
-each stage replicated by DDP on the data axis (parallel.strategy = "ddp"), for full fine-tuning and
+each stage replicated by DDP (parallel.strategy = "ddp") on the data axis (the engine shards stages by
+FSDP2 too, refused below until the plan bills it), for full fine-tuning and
 LoRA on Llama models with an untied head: the model is cut to the
 rank's stage before its weights load (engine.py `apply`), the step, the held-out metric, the
 checkpoint (DCP, each stage its own tensors) and the result (each stage writes its own file) go through the
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
 # The architectures the stage forward (engine.py `Stage`) runs: LlamaModel's forward, one causal mask
 # for every layer. Mistral's and Qwen2/3's sliding-window layers take a mask of their own kind.
 MODEL_TYPES = ("llama",)
+# The data-axis strategies FSDP2 runs inside a stage (engine.py Pipeline): each stage's layers and its
+# own root sharded over the stage's replicas.
+SHARDED = ("zero3", "fsdp-grad-op")
 
 
 def on(cfg: RunConfig) -> bool:
@@ -52,13 +56,22 @@ def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
             "set parallel.pp = 1 for inference",
             what="inference through pipeline stages",
         )
-    if dims.tp > 1 or dims.shards_params or (dims.dp > 1 and dims.strategy != "ddp"):
+    if dims.tp > 1 or (dims.dp > 1 and dims.strategy not in ("ddp", *SHARDED)):
         raise NotRunnable(
             "parallel.pp",
-            "the engine runs pipeline stages alone or replicated by DDP on the data axis, and this layout is "
-            f"{dims.describe()}",
-            'set parallel.pp = 1, or use parallel.tp = 1 with parallel.strategy = "ddp" beside parallel.pp',
-            what="pipeline parallelism with tensor parallelism, ZeRO or FSDP",
+            "the engine runs pipeline stages alone, replicated by DDP or sharded by FSDP2 on the data axis, and "
+            f"this layout is {dims.describe()}",
+            'set parallel.pp = 1, or use parallel.tp = 1 with parallel.strategy = "ddp" or "zero3" beside parallel.pp',
+            what="pipeline parallelism with tensor parallelism or ZeRO-1",
+        )
+    if dims.shards_params:
+        raise NotRunnable(
+            "parallel.strategy",
+            "the engine shards pipeline stages with FSDP2 (engine.py Pipeline), but the plan does not yet bill "
+            "what it holds: inside 1F1B every unit stays gathered and its gradients unsharded until the window's "
+            "last backward, so stage 0 of pp 2 x dp 2 measured 24 % over its plan",
+            'use parallel.strategy = "ddp" with parallel.pp, or parallel.pp = 1 with FSDP2',
+            what="FSDP2 inside pipeline stages",
         )
     if cfg.mode != "full" and cfg.model.init == "random":
         raise NotRunnable(

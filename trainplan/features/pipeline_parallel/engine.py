@@ -19,6 +19,7 @@ from torch import nn
 
 from trainplan.features import pipeline_parallel
 from trainplan.run.converter import Build
+from trainplan.run.dist import to_local
 from trainplan.run.evaluate import logit_sums
 from trainplan.run.loss import FusedLossHead, chunked_cross_entropy, chunked_eval_sums
 from trainplan.run.step import NO_HOOKS, StepHooks, StepResult, StepSettings, apply_update, autocast, target_tokens
@@ -83,12 +84,16 @@ class Stage(nn.Module):
 
 class Pipeline:
     """This rank's stage of a pp-stage pipeline and its 1F1B schedule over `micro_batches` micro-batches a
-    step. `model`: the stage, already cut (`cut`). With dp > 1 (parallel.strategy "ddp") every stage is
-    replicated over the data axis of a (pp, dp) mesh: the stages of one replica exchange activations in
-    their "pp" group, and each stage's replicas average its gradients in their "dp" group (DDP around the
-    stage, which torch's PipelineStage reduces at the window's last backward only)."""
+    step. `model`: the stage, already cut (`cut`). With dp > 1 every stage is replicated over the data
+    axis of `mesh`, the run's (pp, dp) mesh: the stages of one replica exchange activations in their "pp"
+    group, and each stage's replicas reduce its gradients in their "dp" group, which torch's PipelineStage
+    does at the window's last backward only: DDP around the stage (parallel.strategy "ddp"), or FSDP2
+    ("zero3", "fsdp-grad-op"), whose decoder layers the builder sharded and whose stage module is sharded
+    here as the root (`prec`: its mixed precision)."""
 
-    def __init__(self, model: nn.Module, dims: ParallelDims, rank: int, micro_batches: int, device) -> None:
+    def __init__(
+        self, model: nn.Module, dims: ParallelDims, rank: int, micro_batches: int, device, *, mesh=None, prec=None
+    ) -> None:
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -103,17 +108,23 @@ class Pipeline:
         self.module = Stage(self.model, first=self.first, last=self.last)
         self.pp_group = self.dp_group = None  # None: the world (pipeline parallelism alone)
         self.ddp = None  # the stage's DDP wrapper (dp > 1): its gradient buckets persist between steps
+        self.fsdp = None  # the stage's FSDP2 root (dp > 1, sharded)
         submod: nn.Module = self.module
         if dims.dp > 1:
-            from torch.distributed.device_mesh import init_device_mesh
             from torch.nn.parallel import DistributedDataParallel
 
-            mesh = init_device_mesh(self.device.type, (dims.pp, dims.dp), mesh_dim_names=("pp", "dp"))
+            if mesh is None:  # internal: run/setup.py builds the (pp, dp) mesh the stage was loaded on
+                raise AssertionError("replicated pipeline stages take the run's (pp, dp) mesh")
             self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            submod = self.ddp = DistributedDataParallel(  # (the rotary buffers are every replica's: no broadcast)
-                self.module, ids, process_group=self.dp_group, gradient_as_bucket_view=True, broadcast_buffers=False
-            )
+            if dims.shards_params:
+                from trainplan.features.sharding.engine import shard_stage
+
+                submod = self.fsdp = shard_stage(self.module, dims, prec, mesh)
+            else:
+                ids = [self.device.index] if self.device.type == "cuda" else None
+                submod = self.ddp = DistributedDataParallel(  # (the rotary buffers are every replica's)
+                    self.module, ids, process_group=self.dp_group, gradient_as_bucket_view=True, broadcast_buffers=False
+                )
         last = dims.pp - 1
         self.last_rank = dist.get_global_rank(self.pp_group, last) if self.pp_group is not None else last
         stage = PipelineStage(submod, self.index, dims.pp, self.device, group=self.pp_group)
@@ -169,15 +180,15 @@ class Pipeline:
         # this replica's share of the window's mean on each of its stages (the guard sums the replicas')
         dist.broadcast(loss, src=self.last_rank, group=self.pp_group)
         hooks.on_phase("optimizer")
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        local_norm = (
-            torch.nn.utils.get_total_norm([p.grad for p in params]) if params else self._zeros((), torch.float32)
-        )
+        grads = [to_local(p.grad) for p in self.model.parameters() if p.grad is not None]  # FSDP2: the shards
+        local_norm = torch.nn.utils.get_total_norm(grads) if grads else self._zeros((), torch.float32)
         squares = local_norm.double().square()
-        dist.all_reduce(squares, group=self.pp_group)  # the replicas' gradients are equal after DDP's average
+        # every rank's shards of its stage under FSDP2; DDP's replicas hold equal gradients after its average
+        dist.all_reduce(squares, group=None if self.dims.shards_params else self.pp_group)
         norm = squares.sqrt().float()
-        if settings.max_grad_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, settings.max_grad_norm, norm)
+        if settings.max_grad_norm is not None and grads:  # torch's clip_grads_with_norm_, on the local shards
+            with torch.no_grad():
+                torch._foreach_mul_(grads, torch.clamp(settings.max_grad_norm / (norm + 1e-6), max=1.0))
         applied = apply_update(update, hooks.decide, loss, norm)
         update.optimizer.zero_grad(set_to_none=True)
         hooks.on_phase("end")
@@ -217,6 +228,8 @@ class Pipeline:
             else:
                 sums = self._eval_sums(hidden, labels).to(self.device)
         dist.broadcast(sums, src=self.last_rank, group=self.pp_group)  # (NCCL's collectives take device tensors)
+        if self.fsdp is not None:  # the root keeps its gathered weights after forward; no backward frees them
+            self.fsdp.reshard()
         return sums.cpu()
 
     def _zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:

@@ -15,7 +15,23 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, prec: Precision, mesh) -> n
     """FSDP2: one unit per decoder layer plus the root; mixed precision through the policy.
     parallel.offload_optimizer: CPUOffloadPolicy keeps the parameter shards, their gradients and the
     optimizer step in host memory (pinned for CUDA's copies); `materialize_params_on_host` says where
-    the parameters are allocated."""
+    the parameters are allocated. Under pipeline parallelism the root is the stage's forward module,
+    which the pipeline shards once it exists (`shard_stage`): here only the stage's decoder layers."""
+    for layer in decoder_layers(model):
+        _shard(layer, dims, prec, mesh, reshard=dims.reshard_after_forward)
+    if dims.pp == 1:
+        _shard(model, dims, prec, mesh, reshard=dims.reshard_after_forward)
+    return model
+
+
+def shard_stage(module: nn.Module, dims: ParallelDims, prec: Precision, mesh) -> nn.Module:
+    """A pipeline stage's root unit (its embedding, final norm and head, whichever it holds) over the
+    stage's replicas. Not resharded after forward (FSDP2's own choice for a root): the schedule's loss
+    multiplies the last stage's output through the head outside the stage's forward."""
+    return _shard(module, dims, prec, mesh, reshard=False)
+
+
+def _shard(module: nn.Module, dims: ParallelDims, prec: Precision, mesh, *, reshard: bool) -> nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     dt = dtypes(prec)
@@ -24,12 +40,8 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, prec: Precision, mesh) -> n
     )
     on_host = optimizer_offload.on_host(dims)
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if on_host else OffloadPolicy()
-    reshard = dims.reshard_after_forward
-    mesh = mesh["dp"] if mesh.ndim > 1 else mesh  # 2-D: FSDP2 over the data-parallel axis of (dp, tp)
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
-    return model
+    mesh = mesh["dp"] if mesh.ndim > 1 else mesh  # 2-D: FSDP2 over the data-parallel axis of (dp, tp) or (pp, dp)
+    return fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
 
 
 def apply(model: nn.Module, b: Build) -> nn.Module:
