@@ -49,12 +49,23 @@ def job(**settings):
             {
                 "parallel.pp": 2,
                 "batch.grad_accum_steps": 2,
-                "parallel.strategy": "zero3",
+                "parallel.strategy": "zero1",
                 "hardware.gpus": "4xH100-80GB",
             },
             True,
+            "parallel.pp",
+            "pipeline parallelism with tensor parallelism or ZeRO-1",
+        ),
+        (
+            {
+                "parallel.pp": 2,
+                "batch.grad_accum_steps": 2,
+                "parallel.strategy": "zero3",
+                "hardware.gpus": "2xH100-80GB",
+            },
+            True,
             "parallel.strategy",
-            "FSDP2 inside pipeline stages",
+            "FSDP2 over one replica of pipeline stages",
         ),
         (
             {"parallel.pp": 2, "mode": "inference", "hardware.gpus": "2xH100-80GB"},

@@ -166,6 +166,8 @@ class Trainer:
         ran = record.as_run(self.model, optimizer, self.settings.prec.compute_dtype)
         if self.pipeline is not None:  # each stage's own decoder layers, read back from its model
             ran["pp"] = self.pipeline.dims.pp
+            if self.pipeline.ddp is not None:  # DDP wraps the stage's forward module, not the model
+                ran["strategy"] = "ddp"
             ran["stage_layers"] = self.env.gather(self.pipeline.layers())
         return ran
 

@@ -4,8 +4,8 @@ first stage, the final norm, the head and the loss on the last, run by torch.dis
 1F1B schedule with the accumulation window's micro-batches as its micro-batches.
 
 The planner plans every layout with pp. `trainplan train` runs pp alone (every rank a stage) or with
-each stage replicated by DDP (parallel.strategy = "ddp") on the data axis (the engine shards stages by
-FSDP2 too, refused below until the plan bills it), for full fine-tuning and
+each stage replicated by DDP (parallel.strategy = "ddp") or sharded by FSDP2 ("zero3", "fsdp-grad-op")
+on the data axis, for full fine-tuning and
 LoRA on Llama models with an untied head: the model is cut to the
 rank's stage before its weights load (engine.py `apply`), the step, the held-out metric, the
 checkpoint (DCP, each stage its own tensors) and the result (each stage writes its own file) go through the
@@ -64,14 +64,12 @@ def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
             'set parallel.pp = 1, or use parallel.tp = 1 with parallel.strategy = "ddp" or "zero3" beside parallel.pp',
             what="pipeline parallelism with tensor parallelism or ZeRO-1",
         )
-    if dims.shards_params:
+    if dims.shards_params and dims.dp == 1:
         raise NotRunnable(
             "parallel.strategy",
-            "the engine shards pipeline stages with FSDP2 (engine.py Pipeline), but the plan does not yet bill "
-            "what it holds: inside 1F1B every unit stays gathered and its gradients unsharded until the window's "
-            "last backward, so stage 0 of pp 2 x dp 2 measured 24 % over its plan",
-            'use parallel.strategy = "ddp" with parallel.pp, or parallel.pp = 1 with FSDP2',
-            what="FSDP2 inside pipeline stages",
+            f"{dims.strategy} shards each stage over its replicas, and this layout has one ({dims.describe()})",
+            'set parallel.strategy = "single" with parallel.pp alone, or give the stages replicas (a world of pp x dp)',
+            what="FSDP2 over one replica of pipeline stages",
         )
     if cfg.mode != "full" and cfg.model.init == "random":
         raise NotRunnable(

@@ -55,4 +55,55 @@ def adjust(ctx: RankContext, bill: StepBill, terms: RankTerms) -> StepBill:
     if ctx.dims.keeps_grad_buckets:
         twice = ("the window's gradients, beside DDP's buckets until its last backward (no_sync)", terms.grads.nbytes)
         moments = tuple(PhaseBill(m, gradients=Bytes(m.get("gradients", 0), twice)) for m in moments)
+    if ctx.dims.shards_params and ctx.dims.dp > 1:
+        return _sharded_stage(ctx, StepBill(phases=phases, moments=moments), terms)
     return StepBill(phases=phases, moments=moments)
+
+
+def _sharded_stage(ctx: RankContext, bill: StepBill, terms: RankTerms) -> StepBill:
+    """FSDP2 inside a stage (engine.py Pipeline): torch's PipelineStage runs every backward of the window
+    but the last with resharding and the gradients' reduction off, so once a unit has run backward it
+    stays gathered, and its gradients unsharded, until the window's last backward; then every unit, the
+    root first, reduce-scatters its gradients (a flat copy of them in the reduction's dtype, and the
+    shard it receives) and reshards. The load holds the root unit whole: the pipeline shards it once the
+    stage's module exists."""
+    from trainplan.plan.phase import Bytes, PhaseBill, StepBill
+
+    cb = ctx.cb
+    adapters = sum(_numel(s) for s in ctx.adapters.shapes)
+    trainable = ctx.n_held if ctx.full else adapters
+    gathered = ("every unit of the stage gathered, kept through the window", (ctx.n_held + adapters) * cb)
+    unsharded = ("the window's unsharded gradients, reduced at its last backward", trainable * cb)
+    reduce_bytes = 4 if ctx.prec.grad_bytes == 4 else cb
+    root = ctx.shards.root_numel if ctx.full else 0
+    per_layer = ctx.shards.unit_numel if ctx.full else (adapters // len(ctx.layers) if ctx.layers else 0)
+    first = root or per_layer  # the root's state reduces first (FSDP2's states in module order)
+    flat = (
+        "the first unit's gradients in flat copy for its reduce-scatter, and its shard",
+        first * reduce_bytes + -(-first // ctx.dims.dp) * reduce_bytes,
+    )
+    held = {"weight_copies": Bytes(gathered), "gradients": Bytes(unsharded), "comm_buffers": terms.comm.steady}
+    phases = dict(bill.phases)
+    # forward: the first micro-batch's (the root's copy-out, features/sharding/plan.py), and once a backward
+    # has run, every unit gathered beside the window's gradients (no unit reduces before the end)
+    later = PhaseBill(phases["forward"], **held)
+    moments = tuple(PhaseBill(m, **held) for m in bill.moments) + (later,)
+    start = bill.moments[0]
+    reduce = PhaseBill(
+        {k: start[k] for k in ("weights", "adapter", "optimizer", "buffers") if k in start},
+        **held,
+        activations=Bytes(flat),
+    )
+    load = phases["load"]
+    whole = ctx.shards.root_numel - -(-ctx.shards.root_numel // ctx.dims.dp)
+    stored = ctx.prec.param_bytes if ctx.full else ctx.prec.frozen_bytes
+    whole_root = ("the root unit whole until the stage shards it", whole * stored)
+    phases["load"] = PhaseBill(load, weight_copies=Bytes(load.get("weight_copies", 0), whole_root))
+    return StepBill(phases=phases, moments=(*moments, reduce))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
