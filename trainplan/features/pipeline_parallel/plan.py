@@ -4,6 +4,7 @@ ParallelDims.stage_layers, shared with the engine."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ def _sharded_stage(ctx: RankContext, bill: StepBill, terms: RankTerms) -> StepBi
     from trainplan.plan.phase import Bytes, PhaseBill, StepBill
 
     cb = ctx.cb
-    adapters = sum(_numel(s) for s in ctx.adapters.shapes)
+    adapters = sum(math.prod(s) for s in ctx.adapters.shapes)
     trainable = ctx.n_held if ctx.full else adapters
     gathered = ("every unit of the stage gathered, kept through the window", (ctx.n_held + adapters) * cb)
     unsharded = ("the window's unsharded gradients, reduced at its last backward", trainable * cb)
@@ -100,10 +101,3 @@ def _sharded_stage(ctx: RankContext, bill: StepBill, terms: RankTerms) -> StepBi
     whole_root = ("the root unit whole until the stage shards it", whole * stored)
     phases["load"] = PhaseBill(load, weight_copies=Bytes(load.get("weight_copies", 0), whole_root))
     return StepBill(phases=phases, moments=(*moments, reduce))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
