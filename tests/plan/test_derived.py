@@ -138,9 +138,9 @@ def test_what_cannot_be_derived_is_refused_naming_what_is_needed(tmp_path):
     path.write_text(json.dumps({"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2}))
     with pytest.raises(ConfigError, match="unsupported model_type 'bert'.*intermediate_size"):
         analytic.plan(_cfg(str(path)))
-    qwen = _config(tmp_path, "qwen3")
-    with pytest.raises(ConfigError, match="parallel.tp: qwen3 has no hand-written terms"):
-        analytic.plan(_cfg(qwen, "hardware.gpus=2xH100-80GB", "parallel.tp=2"))
+    qwen = _config(tmp_path, "qwen3")  # tensor parallelism is derived (tests/run/test_tensor_parallel.py)
+    with pytest.raises(ConfigError, match="parallel.pp: qwen3 has no hand-written terms"):
+        analytic.plan(_cfg(qwen, "hardware.gpus=2xH100-80GB", "parallel.pp=2", "batch.grad_accum_steps=2"))
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainplan.features import lora, sharding
+from trainplan.errors import ConfigError
+from trainplan.features import lora
 from trainplan.spec.layout import cache_dir, meta_layout
 
 VERSION = 5  # bump when the traced step or the fit changes
@@ -72,6 +73,7 @@ def _key(r) -> dict:
         "attention": r.attention,
         "lora": dataclasses.asdict(cfg.lora) if lora.on(cfg) else None,
         "target": _target(r),
+        "tp": r.dims.tp,  # a tensor-parallel rank's layer saves its share
     }
 
 
@@ -80,12 +82,17 @@ def attach(r):
     spec = r.spec
     if not spec.derived or spec.layer_fit is not None:
         return r
-    sharding.require_data_parallel(
-        r.dims, f"{spec.model_type} has no hand-written terms, and derived ones", "plan it with tp = 1 and pp = 1"
-    )
+    if r.dims.pp > 1:
+        raise ConfigError(
+            "parallel.pp",
+            f"{spec.model_type} has no hand-written terms, and derived ones cover data and tensor parallelism only",
+            "plan it with pp = 1",
+        )
     key = _key(r)
     path = cache_path(r, "", key)
     entry = _read(path)
+    if entry is None and r.dims.tp > 1 and _in_a_process_group():
+        entry = _derive_in_its_own_process(r, path)
     if entry is None:
         entry = _derive(r)
         _write(path, {**entry, "key": key})
@@ -94,6 +101,32 @@ def attach(r):
     layout = tuple((name, tuple(shape)) for name, shape in entry["layout"])
     spec = dataclasses.replace(spec, layer_fit=fit, first_layer_fit=first, layout=layout)
     return dataclasses.replace(r, spec=spec)
+
+
+def _in_a_process_group() -> bool:
+    """A rank of a distributed run (torch already imported and its process group up)."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _derive_in_its_own_process(r, path: Path) -> dict:
+    """Under tensor parallelism the trace fakes the tp group's peers, which a rank of a running job, its
+    own process group up, cannot: a fresh process derives the fit into the cache, this one reads it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys; from trainplan import config as C; from trainplan.plan import derived; "
+        "from trainplan.resolve import resolve; derived.attach(resolve(C.from_dict(json.loads(sys.argv[1]))))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(r.cfg.to_dict())], capture_output=True, text=True)
+    entry = _read(path)
+    if proc.returncode != 0 or entry is None:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ConfigError("model.source", f"deriving {r.spec.model_type}'s layer terms failed: {last}", "plan it first")
+    return entry
 
 
 def _read(path: Path) -> dict | None:
@@ -122,7 +155,6 @@ def _derive(r) -> dict:
     less than the others (its input needs no gradient) but is planned like them: an overestimate
     of one layer's difference, never an underestimate (a model of no layers cannot carry adapters,
     so there is nothing to trace it against)."""
-    from trainplan.plan import tracestep
 
     spec, cfg = r.spec, r.cfg
     layout = [[name, list(shape)] for name, shape in spec.layout] if spec.layout else meta_layout(spec.config)
@@ -134,9 +166,7 @@ def _derive(r) -> dict:
         for depth, input_grads in ((1, False), (2, False), *(((2, True),) if adapters else ())):
             shallow = shallow_job(r, *point, depth)
             entering: dict = {}
-            tracestep.traced_step(
-                shallow, real=False, target=_target(r), world=1, entering=entering, input_grads=input_grads
-            )
+            _trace(shallow, entering, input_grads)
             # at the end of forward, not at its peak: a small model's peak can sit inside a layer (its
             # MLP's temporaries), and then the peaks of 1 and 2 layers differ by less than a layer
             live = entering["backward"]
@@ -152,13 +182,37 @@ def _derive(r) -> dict:
     }
 
 
+def _trace(shallow, entering: dict, input_grads: bool) -> None:
+    """The shallow job's step on fake tensors; under tensor parallelism rank 0 of the tp split, its peers
+    faked (plan/traced.py's way), so the layer's saved tensors are one rank's share."""
+    from trainplan.plan import tracestep
+
+    tp = shallow.dims.tp
+    if tp == 1:
+        tracestep.traced_step(
+            shallow, real=False, target=_target(shallow), world=1, entering=entering, input_grads=input_grads
+        )
+        return
+    import torch
+
+    from trainplan import _torch_private as P
+    from trainplan.run import dist
+
+    with P.fake_process_group(tp):
+        mesh = dist.mesh(dist.DistEnv(rank=0, local_rank=0, world=tp, device=torch.device("cpu")), shallow.dims)
+        tracestep.traced_step(
+            shallow, real=False, target=_target(shallow), world=1, mesh=mesh, entering=entering, input_grads=input_grads
+        )
+
+
 def shallow_job(r, batch: int, seq: int, depth: int):
-    """The job with `depth` decoder layers at (micro-batch, seq) on one device: random weights, no
-    accumulation, checkpointing or offload, plain data parallelism (what a layer's saved tensors are
-    measured on)."""
+    """The job with `depth` decoder layers at (micro-batch, seq) on one device (one tensor-parallel group
+    under tp): random weights, no accumulation, checkpointing or offload, plain data parallelism (what a
+    layer's saved tensors are measured on)."""
     from trainplan import resolve as R
 
-    cfg, spec = r.cfg, r.spec
+    cfg, spec, tp = r.cfg, r.spec, r.dims.tp
+    device = r.devices[0].name if r.devices[0].is_gpu else "cpu"
     reduced = dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, init="random"),
@@ -166,8 +220,8 @@ def shallow_job(r, batch: int, seq: int, depth: int):
             cfg.batch, micro_batch_size=batch, seq_len=seq, grad_accum_steps=1, global_batch_size=None
         ),
         memory=dataclasses.replace(cfg.memory, activation_checkpointing=False, offload_activations=False),
-        parallel=dataclasses.replace(cfg.parallel, strategy="ddp", tp=1, pp=1, offload_optimizer=False),
-        hardware=dataclasses.replace(cfg.hardware, gpus=r.devices[0].name if r.devices[0].is_gpu else "cpu"),
+        parallel=dataclasses.replace(cfg.parallel, strategy="ddp", tp=tp, pp=1, offload_optimizer=False),
+        hardware=dataclasses.replace(cfg.hardware, gpus=f"{tp}x{device}" if tp > 1 else device),
     )
     return R.resolve(reduced, dataclasses.replace(spec, num_layers=depth, config=_with_layers(spec.config, depth)))
 
@@ -178,14 +232,22 @@ def _layer_casts(r, layout: list) -> int:
     cfg, prec = r.cfg, r.precision
     if not prec.autocast or cfg.mode == "inference":
         return 0
+    from trainplan.plan.tensors import ROWWISE, _tp_numel
     from trainplan.spec.model import _from_layout
 
     one = [_from_layout(name, shape) for name, shape in layout]
     one = [t for t in one if t.layer == 0]
+    tp = r.dims.tp  # a tensor-parallel rank casts its shards: lora_A splits a row-wise layer's input
     if cfg.mode == "full":
-        return sum(t.numel for t in one if t.role in ("linear", "bias")) * prec.compute_bytes
+        return sum(_tp_numel(t, tp) for t in one if t.role in ("linear", "bias")) * prec.compute_bytes
     targets = set(cfg.lora.target_modules)
-    adapters = sum(cfg.lora.r * (t.shape[0] + t.shape[1]) for t in one if t.role == "linear" and t.module in targets)
+    adapters = sum(
+        cfg.lora.r * (t.shape[1] // tp + t.shape[0])
+        if t.module in ROWWISE
+        else cfg.lora.r * (t.shape[1] + t.shape[0] // tp)
+        for t in one
+        if t.role == "linear" and t.module in targets
+    )
     return adapters * prec.compute_bytes
 
 

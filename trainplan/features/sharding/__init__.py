@@ -7,23 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainplan.errors import ConfigError, NotRunnable
+from trainplan.errors import NotRunnable
 
 if TYPE_CHECKING:
     from trainplan.config import RunConfig
     from trainplan.resolve import Resolved
     from trainplan.spec.parallel import ParallelDims
-
-
-def model_parallel(dims: ParallelDims) -> bool:
-    """Tensor or pipeline parallelism."""
-    return dims.tp > 1 or dims.pp > 1
-
-
-def require_data_parallel(dims: ParallelDims, who: str, fix: str) -> None:
-    """Refuse tensor and pipeline parallelism where `who` covers data parallelism only."""
-    if model_parallel(dims):
-        raise ConfigError("parallel.tp", f"{who} cover data parallelism (DDP, ZeRO, FSDP) only", fix)
 
 
 def refuse(r: Resolved) -> None:
