@@ -184,22 +184,10 @@ def _derive(r) -> dict:
 
 def _trace(shallow, entering: dict, input_grads: bool) -> None:
     """The shallow job's step on fake tensors; under tensor parallelism rank 0 of the tp split, its peers
-    faked (plan/traced.py's way), so the layer's saved tensors are one rank's share."""
+    faked, so the layer's saved tensors are one rank's share."""
     from trainplan.plan import tracestep
 
-    tp = shallow.dims.tp
-    if tp == 1:
-        tracestep.traced_step(
-            shallow, real=False, target=_target(shallow), world=1, entering=entering, input_grads=input_grads
-        )
-        return
-    import torch
-
-    from trainplan import _torch_private as P
-    from trainplan.run import dist
-
-    with P.fake_process_group(tp):
-        mesh = dist.mesh(dist.DistEnv(rank=0, local_rank=0, world=tp, device=torch.device("cpu")), shallow.dims)
+    with tracestep.rank_zero(shallow.dims, shallow.dims.tp) as mesh:
         tracestep.traced_step(
             shallow, real=False, target=_target(shallow), world=1, mesh=mesh, entering=entering, input_grads=input_grads
         )

@@ -22,7 +22,7 @@ from trainplan.errors import TrainplanError
 from trainplan.plan import analytic, fragmentation
 from trainplan.plan.analytic import ZERO2_BUCKET_BYTES
 from trainplan.plan.ledger import GROUPS, Ledger
-from trainplan.plan.tracestep import traced_step
+from trainplan.plan.tracestep import rank_zero, traced_step
 from trainplan.spec.model import ModelSpec
 
 
@@ -72,19 +72,9 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
     world = dims.dp if fsdp else 1  # the data-parallel replicas, over which the loss's tokens are counted
     ranks = dims.world_size if fsdp or dims.tp > 1 else 1  # rank 0 and its faked peers
     events: list | None = [] if target == "cuda" else None
-    if ranks > 1:
-        import torch
-
-        from trainplan.run import dist
-
-        with P.fake_process_group(ranks):
-            mesh = dist.mesh(dist.DistEnv(rank=0, local_rank=0, world=ranks, device=torch.device("cpu")), dims)
-            phases, adapter_params, states, shapes, micro_steps = traced_step(
-                r, real=real, target=target, world=world, mesh=mesh, events=events
-            )
-    else:
+    with rank_zero(dims, ranks) as mesh:
         phases, adapter_params, states, shapes, micro_steps = traced_step(
-            r, real=real, target=target, world=world, events=events
+            r, real=real, target=target, world=world, mesh=mesh, events=events
         )
 
     lora = cfg.mode == "lora"

@@ -51,6 +51,23 @@ def two_steps(r: resolve.Resolved, model, optimizer, micro_batches, tokens: int,
                 step.train_step(model, step.Update(optimizer), micro_batches, settings, token_count=tokens, hooks=hooks)
 
 
+@contextlib.contextmanager
+def rank_zero(dims, ranks: int):
+    """The engine's mesh for rank 0 of `ranks`, its peers faked (torch's fake process group: a collective
+    allocates what a real one does and sends nothing); None for one rank. plan/traced.py and
+    plan/derived.py trace under it."""
+    if ranks == 1:
+        yield None
+        return
+    import torch
+
+    from trainplan import _torch_private as P
+    from trainplan.run import dist
+
+    with P.fake_process_group(ranks):
+        yield dist.mesh(dist.DistEnv(rank=0, local_rank=0, world=ranks, device=torch.device("cpu")), dims)
+
+
 def traced_step(
     r: resolve.Resolved,
     *,

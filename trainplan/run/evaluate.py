@@ -91,7 +91,7 @@ def evaluate(
                 sums = logit_sums(logits, y)
                 del logits  # not held through the next batch's forward (the tp head's gather is wider)
             loss_sum, correct, count = loss_sum + sums[0], correct + sums[1], count + sums[2]
-    reshard(model)
+    reshard(pipeline.module if pipeline is not None else model)  # a pipeline's stage module holds the model
     model.train(was_training)
     mean = float(loss_sum / count) if count else float("nan")
     return {

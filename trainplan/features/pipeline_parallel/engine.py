@@ -108,7 +108,6 @@ class Pipeline:
         self.module = Stage(self.model, first=self.first, last=self.last)
         self.pp_group = self.dp_group = None  # None: the world (pipeline parallelism alone)
         self.ddp = None  # the stage's DDP wrapper (dp > 1): its gradient buckets persist between steps
-        self.fsdp = None  # the stage's FSDP2 root (dp > 1, sharded)
         submod: nn.Module = self.module
         if dims.dp > 1:
             from torch.nn.parallel import DistributedDataParallel
@@ -119,7 +118,7 @@ class Pipeline:
             if dims.shards_params:
                 from trainplan.features.sharding.engine import shard_stage
 
-                submod = self.fsdp = shard_stage(self.module, dims, prec, mesh)
+                submod = shard_stage(self.module, dims, prec, mesh)
             else:
                 ids = [self.device.index] if self.device.type == "cuda" else None
                 submod = self.ddp = DistributedDataParallel(  # (the rotary buffers are every replica's)
@@ -228,8 +227,6 @@ class Pipeline:
             else:
                 sums = self._eval_sums(hidden, labels).to(self.device)
         dist.broadcast(sums, src=self.last_rank, group=self.pp_group)  # (NCCL's collectives take device tensors)
-        if self.fsdp is not None:  # the root keeps its gathered weights after forward; no backward frees them
-            self.fsdp.reshard()
         return sums.cpu()
 
     def _zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
