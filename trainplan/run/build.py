@@ -162,13 +162,21 @@ def _init_adapter(p: nn.Parameter, generator: torch.Generator, *, zero: bool) ->
         p.copy_(whole)
 
 
-def materialize(model: nn.Module, device: torch.device | str, *, quantize: bool = True) -> nn.Module:
+def materialize(model: nn.Module, device: torch.device | str, *, quantize: bool = True, loading: bool = False) -> nn.Module:
     """Allocate the meta model on `device` and initialize it (weights, rotary buffers).
 
     qlora: the 4-bit linears are quantized last; quantize=False leaves them unquantized on the
-    host, for a loader to copy weights into before it calls `qlora.quantize`."""
+    host, for a loader to copy weights into before it calls `qlora.quantize`.
+    loading: the base weights are copied in next, so transformers' initializers skip them (the flag
+    its own from_pretrained sets): only buffers and adapters are initialized. Besides the time, an
+    initializer can gather a sharded weight whole (an embedding's padding row zeroed through a
+    vocabulary-split DTensor: two whole V x hidden copies on every tp rank at load)."""
     allocate(model, device)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if loading:
+        for name, p in model.named_parameters():
+            if "lora_" not in name:
+                p._is_hf_initialized = True
     with torch.no_grad():
         base.init_weights()
         seed = torch.initial_seed()

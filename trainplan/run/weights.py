@@ -200,7 +200,7 @@ def _load_model(model: nn.Module, cfg: RunConfig, spec: ModelSpec, device: torch
             "save the model with safe_serialization=True",
         )
     # rotary buffers and adapters; the weights are overwritten below, and quantized after that (qlora)
-    build.materialize(model, device, quantize=False)
+    build.materialize(model, device, quantize=False, loading=True)
     four_bit = qlora.is_4bit(model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     # PEFT wraps targeted linears: their weight is `<module>.base_layer.weight`; adapters are new.

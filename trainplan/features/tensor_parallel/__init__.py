@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 # projections with these names, heads reshaped from the projection's own width (so a rank's share of
 # the heads needs no change to the attention code). Phi-3's fused qkv_proj and gate_up_proj would be
 # split across their parts; GPT-2's Conv1D is not a Linear; a mixture of experts is not split yet.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")
 
