@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 
 # The architectures whose decoder layers the engine splits: separate q/k/v/o and gate/up/down
 # projections with these names, heads reshaped from the projection's own width (so a rank's share of
-# the heads needs no change to the attention code). Phi-3's fused qkv_proj and gate_up_proj would be
-# split across their parts; GPT-2's Conv1D is not a Linear; a mixture of experts is not split yet.
+# the heads needs no change to the attention code); Gemma-2's scaled embedding keeps its scale
+# (engine.py `_vocab_parallel_forward`). Phi-3's fused qkv_proj and gate_up_proj would be split across
+# their parts; GPT-2's Conv1D is not a Linear; a mixture of experts is not split yet.
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")
