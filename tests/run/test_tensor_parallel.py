@@ -69,7 +69,8 @@ def _tiny(tiny_run, tmp_path, config_cls, **extra) -> list[str]:
     model.save_pretrained(tmp_path / "w")
     transformers.AutoTokenizer.from_pretrained(root / "weights").save_pretrained(tmp_path / "w")
     sets = [*base, f"model.source={tmp_path / 'w'}", "model.init=auto", "batch.micro_batch_size=4"]
-    return sets + ["train.steps=2", "train.eval_batches=1", "checkpoint.every=0", f"model.cache_dir={tmp_path / 'cache'}"]
+    sets += ["train.steps=2", "train.eval_batches=1", "checkpoint.every=0"]
+    return [*sets, f"model.cache_dir={tmp_path / 'cache'}"]
 
 
 def _tp2_meets_one_process_and_its_plan(record: dict, ref: dict) -> None:

@@ -162,7 +162,9 @@ def _init_adapter(p: nn.Parameter, generator: torch.Generator, *, zero: bool) ->
         p.copy_(whole)
 
 
-def materialize(model: nn.Module, device: torch.device | str, *, quantize: bool = True, loading: bool = False) -> nn.Module:
+def materialize(
+    model: nn.Module, device: torch.device | str, *, quantize: bool = True, loading: bool = False
+) -> nn.Module:
     """Allocate the meta model on `device` and initialize it (weights, rotary buffers).
 
     qlora: the 4-bit linears are quantized last; quantize=False leaves them unquantized on the

@@ -100,7 +100,8 @@ class _SumOverTP(torch.autograd.Function):
 def _vocab_parallel_forward(module: nn.Embedding, group, ids: torch.Tensor) -> torch.Tensor:
     """The embedding of `ids` from this rank's vocabulary shard (rows of torch.chunk's split, as the
     Shard(0) DTensor holds them): tokens outside it look up row 0 and are zeroed, then the ranks' rows
-    are summed (and scaled where the module scales them: Gemma's `embed_scale`, a replicated buffer). Its backward forms the gradient of the shard alone, where DTensor's own embedding
+    are summed (and scaled where the module scales them: Gemma's `embed_scale`, a replicated buffer).
+    Its backward forms the gradient of the shard alone, where DTensor's own embedding
     backward forms the whole vocabulary's (a V x hidden Replicate gradient on every rank, alive
     until the optimizer step: measured +9 % of the step on the tiny Llama, untied)."""
     weight = module.weight
