@@ -54,7 +54,7 @@ def job(**settings):
             },
             True,
             "parallel.pp",
-            "pipeline parallelism with tensor parallelism or ZeRO-1",
+            "pipeline parallelism with ZeRO-1",
         ),
         (
             {

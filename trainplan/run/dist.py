@@ -196,9 +196,13 @@ def wrap(model: nn.Module, dims, env: DistEnv) -> nn.Module:
 
 def mesh(env: DistEnv, dims=None):
     """The run's device mesh: one axis over every rank, or (dp, tp) named "dp" and "tp" under tensor
-    parallelism (tp innermost, spec/parallel.py's rank order), or (pp, dp) under pipeline parallelism."""
+    parallelism (tp innermost, spec/parallel.py's rank order), (pp, dp) under pipeline parallelism, and
+    (pp, dp, tp) under both."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    if dims is not None and dims.tp > 1 and dims.pp > 1:
+        shape = (dims.pp, dims.dp, dims.tp)
+        return init_device_mesh(env.device.type, shape, mesh_dim_names=("pp", "dp", "tp"))
     if dims is not None and dims.tp > 1:
         return init_device_mesh(env.device.type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
     if dims is not None and dims.pp > 1:

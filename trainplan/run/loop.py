@@ -267,7 +267,7 @@ class Trainer:
         out = Path(cfg.train.output_dir)
         with self.progress.stage("save", f"the {cfg.mode} result to {out / result.DIRNAME}"), self._meter("save"):
             base = weights.base_reference(cfg)
-            stage = (self.pipeline.index, self.pipeline.dims.pp, self.pipeline.dp_index) if self.pipeline else None
+            stage = (self.pipeline.index, self.pipeline.dims.pp, self.pipeline.within) if self.pipeline else None
             rec.result = result.save(
                 self.model, self.job.tokenizer, cfg.mode, out, self.env, base_model=base, stage=stage
             )

@@ -56,13 +56,13 @@ def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
             "set parallel.pp = 1 for inference",
             what="inference through pipeline stages",
         )
-    if dims.tp > 1 or (dims.dp > 1 and dims.strategy not in ("ddp", *SHARDED)):
+    if dims.dp > 1 and dims.strategy not in ("ddp", *SHARDED):
         raise NotRunnable(
             "parallel.pp",
             "the engine runs pipeline stages alone, replicated by DDP or sharded by FSDP2 on the data axis, and "
             f"this layout is {dims.describe()}",
-            'set parallel.pp = 1, or use parallel.tp = 1 with parallel.strategy = "ddp" or "zero3" beside parallel.pp',
-            what="pipeline parallelism with tensor parallelism or ZeRO-1",
+            'set parallel.strategy = "ddp" or "zero3" beside parallel.pp',
+            what="pipeline parallelism with ZeRO-1",
         )
     if dims.shards_params and dims.dp == 1:
         raise NotRunnable(

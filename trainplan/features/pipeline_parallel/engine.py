@@ -14,6 +14,8 @@ clips each stage's own, then each stage steps its own optimizer."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -97,10 +99,11 @@ class Pipeline:
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        if dims.tp != 1 or dims.world_size != dims.pp * dims.dp:  # internal: resolve refuses it
-            raise AssertionError(f"the pipeline runs with data parallelism only, got {dims.describe()}")
+        if dims.world_size != dims.pp * dims.dp * dims.tp:  # internal: ParallelDims holds it
+            raise AssertionError(f"the pipeline's ranks are its stages' replicas and tp ranks, got {dims.describe()}")
         self.dims, self.device = dims, torch.device(device)
-        self.index, self.dp_index, _ = dims.coords(rank)
+        self.index, self.dp_index, tp_index = dims.coords(rank)
+        self.within = self.dp_index * dims.tp + tp_index  # the rank's place among its stage's ranks (0 writes)
         self.first, self.last = self.index == 0, self.index == dims.pp - 1
         self.model, self.lm = model, causal_lm(model)
         if isinstance(self.lm.model.layers, nn.ModuleList):  # internal: the stage is cut before its weights load
@@ -109,12 +112,14 @@ class Pipeline:
         self.pp_group = self.dp_group = None  # None: the world (pipeline parallelism alone)
         self.ddp = None  # the stage's DDP wrapper (dp > 1): its gradient buckets persist between steps
         submod: nn.Module = self.module
+        if dims.dp > 1 or dims.tp > 1:
+            if mesh is None:  # internal: run/setup.py builds the (pp, dp[, tp]) mesh the stage was loaded on
+                raise AssertionError("replicated or tp-split pipeline stages take the run's mesh")
+            self.pp_group = mesh["pp"].get_group()
         if dims.dp > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            if mesh is None:  # internal: run/setup.py builds the (pp, dp) mesh the stage was loaded on
-                raise AssertionError("replicated pipeline stages take the run's (pp, dp) mesh")
-            self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+            self.dp_group = mesh["dp"].get_group()
             if dims.shards_params:
                 from trainplan.features.sharding.engine import shard_stage
 
@@ -179,12 +184,9 @@ class Pipeline:
         # this replica's share of the window's mean on each of its stages (the guard sums the replicas')
         dist.broadcast(loss, src=self.last_rank, group=self.pp_group)
         hooks.on_phase("optimizer")
-        grads = [to_local(p.grad) for p in self.model.parameters() if p.grad is not None]  # FSDP2: the shards
-        local_norm = torch.nn.utils.get_total_norm(grads) if grads else self._zeros((), torch.float32)
-        squares = local_norm.double().square()
-        # every rank's shards of its stage under FSDP2; DDP's replicas hold equal gradients after its average
-        dist.all_reduce(squares, group=None if self.dims.shards_params else self.pp_group)
-        norm = squares.sqrt().float()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grads = [to_local(p.grad) for p in params]  # FSDP2's and tp's shards
+        norm = self._norm(params, grads)
         if settings.max_grad_norm is not None and grads:  # torch's clip_grads_with_norm_, on the local shards
             with torch.no_grad():
                 torch._foreach_mul_(grads, torch.clamp(settings.max_grad_norm / (norm + 1e-6), max=1.0))
@@ -192,6 +194,22 @@ class Pipeline:
         update.optimizer.zero_grad(set_to_none=True)
         hooks.on_phase("end")
         return StepResult(loss=loss, grad_norm=norm, tokens=self._tokens, applied=applied)
+
+    def _norm(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> torch.Tensor:
+        """The gradient norm of the whole model: the squares of every rank's local gradients summed over
+        the world, each divided by the ranks that hold the same values (a DTensor's Replicate axes: tp's
+        norms, for one); DDP's replicas hold equal gradients after its average, so only the pipeline's
+        stages are summed there."""
+        import torch.distributed as dist
+
+        squares = self._zeros((), torch.float64)
+        for p, g in zip(params, grads, strict=True):  # each tensor's norm in its own dtype, as torch's clipping
+            mesh, placements = getattr(p.grad, "device_mesh", None), getattr(p.grad, "placements", ())
+            copies = math.prod(n for n, place in zip(mesh.shape, placements) if place.is_replicate()) if mesh else 1
+            squares += torch.linalg.vector_norm(g).double().square() / copies
+        sharded = self.dims.shards_params or self.dims.tp > 1  # every gradient a DTensor
+        dist.all_reduce(squares, group=None if sharded else self.pp_group)
+        return squares.sqrt().float()
 
     def layers(self) -> list[int]:
         """The decoder layers this stage holds, by their index in the whole model."""

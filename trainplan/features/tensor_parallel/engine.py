@@ -169,7 +169,8 @@ def parallelize(model: nn.Module, mesh) -> nn.Module:
     top = model
     model = model.get_base_model() if hasattr(model, "get_base_model") else model
     mesh = tp_mesh(mesh)
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
     for layer in decoder_layers(model):
         plan = {}
         for name in tensor_parallel.COLUMN + tensor_parallel.ROW:
@@ -179,11 +180,14 @@ def parallelize(model: nn.Module, mesh) -> nn.Module:
                 plan[name] = replicated()  # the norms (Qwen3's per-head q/k norms too)
         parallelize_module(layer, mesh, plan)
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    parallelize_module(base, mesh, {"embed_tokens": vocab_parallel(), "norm": replicated()})
-    # the head's vocabulary shard, its logits gathered whole for the loss (the plan's "gathered logits")
-    parallelize_module(model, mesh, {"lm_head": ColwiseParallel()})
-    group = mesh.get_group()
-    model.get_output_embeddings().register_forward_hook(lambda _, __, out: gather_vocab(out, group))
+    # (a pipeline stage holds the embedding on the first stage only, the norm and the head on the last)
+    outer = {"embed_tokens": vocab_parallel(), "norm": replicated()}
+    parallelize_module(base, mesh, {name: style for name, style in outer.items() if getattr(base, name) is not None})
+    if model.get_output_embeddings() is not None:
+        # the head's vocabulary shard, its logits gathered whole for the loss (the plan's "gathered logits")
+        parallelize_module(model, mesh, {"lm_head": ColwiseParallel()})
+        group = mesh.get_group()
+        model.get_output_embeddings().register_forward_hook(lambda _, __, out: gather_vocab(out, group))
     if tied:  # one Shard(0) parameter for both: the embedding's vocabulary split is the head's
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     for name, p in top.named_parameters():
