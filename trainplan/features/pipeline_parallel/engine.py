@@ -91,7 +91,8 @@ class Pipeline:
     group, and each stage's replicas reduce its gradients in their "dp" group, which torch's PipelineStage
     does at the window's last backward only: DDP around the stage (parallel.strategy "ddp"), or FSDP2
     ("zero3", "fsdp-grad-op"), whose decoder layers the builder sharded and whose stage module is sharded
-    here as the root (`prec`: its mixed precision)."""
+    here as the root (`prec`: its mixed precision). Under tensor parallelism the mesh is (pp, dp, tp): the
+    builder split the stage's layers, and its "pp" group joins the stages of one (dp, tp) place."""
 
     def __init__(
         self, model: nn.Module, dims: ParallelDims, rank: int, micro_batches: int, device, *, mesh=None, prec=None
@@ -205,7 +206,9 @@ class Pipeline:
         squares = self._zeros((), torch.float64)
         for p, g in zip(params, grads, strict=True):  # each tensor's norm in its own dtype, as torch's clipping
             mesh, placements = getattr(p.grad, "device_mesh", None), getattr(p.grad, "placements", ())
-            copies = math.prod(n for n, place in zip(mesh.shape, placements) if place.is_replicate()) if mesh else 1
+            copies = (
+                math.prod(n for n, at in zip(mesh.shape, placements, strict=True) if at.is_replicate()) if mesh else 1
+            )
             squares += torch.linalg.vector_norm(g).double().square() / copies
         sharded = self.dims.shards_params or self.dims.tp > 1  # every gradient a DTensor
         dist.all_reduce(squares, group=None if sharded else self.pp_group)
