@@ -45,6 +45,11 @@ class ParallelDims:
         return self.strategy in PARAM_SHARDING_STRATEGIES
 
     @property
+    def shards_stages(self) -> bool:
+        """FSDP2 inside pipeline stages: each stage's parameters sharded over its replicas (more than one)."""
+        return self.pp > 1 and self.shards_params and self.dp > 1
+
+    @property
     def reshard_after_forward(self) -> bool:
         """zero3 only: FSDP2's reshard_after_forward=True frees a unit's gathered parameters after its
         forward and gathers them again for backward. fsdp-grad-op (ZeRO-2-like SHARD_GRAD_OP) keeps

@@ -56,7 +56,7 @@ def adjust(ctx: RankContext, bill: StepBill, terms: RankTerms) -> StepBill:
     if ctx.dims.keeps_grad_buckets:
         twice = ("the window's gradients, beside DDP's buckets until its last backward (no_sync)", terms.grads.nbytes)
         moments = tuple(PhaseBill(m, gradients=Bytes(m.get("gradients", 0), twice)) for m in moments)
-    if ctx.dims.shards_params and ctx.dims.dp > 1:
+    if ctx.dims.shards_stages:
         return _sharded_stage(ctx, StepBill(phases=phases, moments=moments), terms)
     return StepBill(phases=phases, moments=moments)
 

@@ -27,7 +27,7 @@ def adjust(ctx: RankContext, bill: StepBill, terms: RankTerms) -> StepBill:
     # the root's copy-out opens the forward of the first stage, or of any pipeline stage holding a root:
     # under pp the stage's module is the root (features/sharding/engine.py shard_stage), whose buffer is
     # kept whether the layers reshard or not (measured under zero3 and fsdp-grad-op on 4 gloo ranks)
-    staged = ctx.dims.pp > 1 and ctx.shards.fsdp and ctx.dims.dp > 1 and ctx.shards.root_numel > 0
+    staged = ctx.dims.shards_stages and ctx.shards.root_numel > 0
     if not (((defers_buffers(ctx) and ctx.first) or staged) and ctx.layers):
         return bill
     root, layer = ctx.shards.root_numel * ctx.cb, ctx.shards.unit_numel * ctx.cb
