@@ -568,6 +568,20 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def static_pipeline(schedule) -> None:
+    """Run `schedule`'s stages in torch's static metadata mode, skipping the warm-up vote by which the
+    ranks agree on it: a stage whose peers are faked (the trace) receives nothing real, so the vote (an
+    exchange of flags) and dynamic metadata inference (an exchange of pickled shapes) cannot run. The
+    stages were built with their metadata (PipelineStage's input_args, output_args and gradients)."""
+    from torch.distributed.pipelining.stage import InferenceMode
+
+    def warm_up(stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = warm_up
+
+
 def partitioned_backend():
     """A torch.compile backend that decides what a compiled region saves as inductor does (its
     decompositions, its joint-graph passes and min-cut partitioner) and then runs the partitioned

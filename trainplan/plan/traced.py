@@ -70,7 +70,7 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
     target = "cuda" if r.devices[0].is_gpu else "cpu"
     fsdp = dims.shards_params
     world = dims.dp if fsdp else 1  # the data-parallel replicas, over which the loss's tokens are counted
-    ranks = dims.world_size if fsdp or dims.tp > 1 else 1  # rank 0 and its faked peers
+    ranks = dims.world_size if fsdp or dims.tp > 1 or dims.pp > 1 else 1  # rank 0 and its faked peers
     events: list | None = [] if target == "cuda" else None
     with rank_zero(dims, ranks) as mesh:
         phases, adapter_params, states, shapes, micro_steps = traced_step(

@@ -33,9 +33,12 @@ class PhasePeaks:
         self.current = None if name == "end" else name
 
 
-def two_steps(r: resolve.Resolved, model, optimizer, micro_batches, tokens: int, peaks: PhasePeaks, kernels):
+def two_steps(
+    r: resolve.Resolved, model, optimizer, micro_batches, tokens: int, peaks: PhasePeaks, kernels, pipeline=None
+):
     """A warm-up step (it creates the optimizer state; activation checkpointing's first peak is
-    spurious), then the measured one, through the engine's own step."""
+    spurious), then the measured one, through the engine's own step (a pipeline's first stage: its 1F1B
+    step over the window's micro-batches)."""
     from trainplan import _torch_private as P
     from trainplan.run import step
 
@@ -45,7 +48,9 @@ def two_steps(r: resolve.Resolved, model, optimizer, micro_batches, tokens: int,
     with peaks.tracker, P.packed_sequences() if packed else P.unpacked_sequences(), kernels:
         for iteration in range(2):
             peaks.measuring = iteration == 1
-            if r.cfg.mode == "inference":
+            if pipeline is not None:
+                pipeline.step(step.Update(optimizer), micro_batches, settings, token_count=tokens, hooks=hooks)
+            elif r.cfg.mode == "inference":
                 step.eval_forward(model, micro_batches[0], prec=r.precision, device_type="cpu", on_phase=peaks.on_phase)
             else:
                 step.train_step(model, step.Update(optimizer), micro_batches, settings, token_count=tokens, hooks=hooks)
@@ -92,8 +97,11 @@ def traced_step(
     from trainplan.run import build, measure, sources, step
 
     cfg, dims, prec, batch = r.cfg, r.dims, r.precision, r.batch
-    micro_steps = min(batch.grad_accum_steps, 2)  # the second micro-batch sees accumulated grads
-    model = build.build_model(r.spec, cfg, prec, dims=dims if mesh is not None else None, mesh=mesh)
+    staged = dims.pp > 1  # the first stage, its peers faked: 1F1B over the whole window
+    # (one process: the second micro-batch sees accumulated grads)
+    micro_steps = batch.grad_accum_steps if staged else min(batch.grad_accum_steps, 2)
+    on_mesh = mesh is not None or staged
+    model = build.build_model(r.spec, cfg, prec, dims=dims if on_mesh else None, mesh=mesh, stage=0)
     if input_grads:
         # the embedding's output made to require a gradient as a layer's output does: through an op
         # that keeps nothing (transformers' enable_input_require_grads makes it a leaf instead, which
@@ -117,6 +125,11 @@ def traced_step(
             positions = torch.cat([torch.arange(half), torch.arange(batch.seq_len - half)])
             for mb in micro_batches:
                 mb["position_ids"] = positions.expand(batch.micro_batch_size, -1).clone()
+        pipeline = None
+        if staged:  # before the optimizer: it shards the stage's root under FSDP2
+            from trainplan.features.pipeline_parallel.engine import Pipeline
+
+            pipeline = Pipeline(model, dims, 0, micro_steps, "cpu", mesh=mesh, prec=prec, example=micro_batches[0])
         optimizer = None
         if cfg.mode != "inference":
             o = cfg.optim
@@ -127,7 +140,7 @@ def traced_step(
         tokens = micro_steps * batch.micro_batch_size * (batch.seq_len - 1) * world
         peaks = PhasePeaks(tracker)
         kernels = P.cuda_kernels() if target == "cuda" and not real else contextlib.nullcontext()
-        two_steps(r, model, optimizer, micro_batches, tokens, peaks, kernels)
+        two_steps(r, model, optimizer, micro_batches, tokens, peaks, kernels, pipeline)
         if entering is not None:
             entering.update(peaks.entering)
         trainable = [p for p in model.parameters() if p.requires_grad]

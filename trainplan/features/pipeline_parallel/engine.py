@@ -14,6 +14,7 @@ clips each stage's own, then each stage steps its own optimizer."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -95,7 +96,16 @@ class Pipeline:
     builder split the stage's layers, and its "pp" group joins the stages of one (dp, tp) place."""
 
     def __init__(
-        self, model: nn.Module, dims: ParallelDims, rank: int, micro_batches: int, device, *, mesh=None, prec=None
+        self,
+        model: nn.Module,
+        dims: ParallelDims,
+        rank: int,
+        micro_batches: int,
+        device,
+        *,
+        mesh=None,
+        prec=None,
+        example: dict | None = None,
     ) -> None:
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -132,9 +142,33 @@ class Pipeline:
                 )
         last = dims.pp - 1
         self.last_rank = dist.get_global_rank(self.pp_group, last) if self.pp_group is not None else last
-        stage = PipelineStage(submod, self.index, dims.pp, self.device, group=self.pp_group)
+        static = self._metadata(example, prec) if example is not None else {}  # (FSDP2's root exists by now)
+        stage = PipelineStage(submod, self.index, dims.pp, self.device, group=self.pp_group, **static)
         self.schedule = Schedule1F1B(stage, micro_batches, loss_fn=self._loss, scale_grads=False)
+        if example is not None:
+            from trainplan import _torch_private as P
+
+            P.static_pipeline(self.schedule)
         self._tokens = 1
+
+    def _metadata(self, example: dict, prec) -> dict:
+        """The first stage's metadata, given to torch's PipelineStage instead of exchanged with its peers
+        (the trace fakes them: plan/tracestep.py): its input, the micro-batch's ids, and its output and
+        the output's gradient, shaped as one no-grad forward of the stage on `example` makes them."""
+        if not self.first:  # internal: the trace builds the first stage
+            raise AssertionError("static pipeline metadata is the first stage's")
+        ids = example["input_ids"]
+        with torch.no_grad(), autocast(prec, self.device.type) if prec is not None else contextlib.nullcontext():
+            out = self.module(ids, _positions(example))
+        for module in self.module.modules():  # FSDP2's units left gathered (fsdp-grad-op's): sharded again
+            if hasattr(module, "reshard"):
+                module.reshard()
+        meta = torch.empty_like(out, device="meta")
+        return {
+            "input_args": (torch.empty_like(ids, device="meta"),),
+            "output_args": (meta,),
+            "output_grads": (meta,),
+        }
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The micro-batch's token-loss sum over the window's tokens (every replica's), through the head as
@@ -167,8 +201,7 @@ class Pipeline:
 
         if update.scaler is not None:  # internal: resolve refuses fp16 loss scaling under pp
             raise AssertionError("the pipeline step takes no GradScaler")
-        local = sum(target_tokens(mb) for mb in micro_batches)
-        self._tokens = token_count if token_count is not None else local
+        self._tokens = token_count if token_count is not None else sum(target_tokens(mb) for mb in micro_batches)
         ids = torch.cat([mb["input_ids"] for mb in micro_batches])
         labels = torch.cat([mb["labels"] for mb in micro_batches])
         positions = torch.cat([_positions(mb) for mb in micro_batches])
