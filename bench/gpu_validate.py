@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
+import math
 import multiprocessing
 import re
 import shutil
@@ -143,6 +145,9 @@ MATRIX = [
     # group: every collective's output is allocated as a real one's, nothing is sent), against the plan's
     # rank 0 of 2 devices of this kind. Fits one H200 by the plan; the head's gathered logits at s4096.
     ("Llama-3.1-8B", "full", "bf16", 1, 4096, True, ("parallel.tp=2",)),
+    # pipeline parallelism: the first stage (rank 0) of pp 2 on the one GPU, its peer faked and its metadata
+    # given statically (as `trainplan trace` runs it), 1F1B over 2 micro-batches, against the plan's rank 0
+    ("Llama-3.2-3B", "full", "bf16", 1, 4096, True, ("parallel.pp=2", "batch.grad_accum_steps=2")),
 ]
 SMOKE_MODEL = preset_config("tiny-llama")  # the tiny Llama of `trainplan devices`' determinism check
 SMOKE_MATRIX = [
@@ -150,6 +155,7 @@ SMOKE_MATRIX = [
     ("tiny-llama", "lora", "fp32", 2, 32, True),
     ("tiny-llama", "full", "fp32", 2, 32, False, ("memory.offload_activations=true",)),  # the hooks count on the CPU
     ("tiny-llama", "full", "fp32", 2, 32, False, ("parallel.tp=2",)),  # rank 0 of tp 2, its peer faked
+    ("tiny-llama", "full", "fp32", 1, 32, False, ("parallel.pp=2", "batch.grad_accum_steps=4")),  # stage 0 of 2
 ]
 
 
@@ -169,9 +175,9 @@ def row_settings(row, model_source: str, gpus: str) -> list[str]:
     from trainplan.config import toml_literal
 
     _, mode, precision, micro, seq, ac, extra = unpack(row)
-    tp = next((int(x.split("=")[1]) for x in extra if x.startswith("parallel.tp=")), 1)
-    if tp > 1:  # the plan's world: tp devices of this kind (the row measures rank 0, its peers faked)
-        gpus = f"{tp}x{gpus}"
+    split = [int(x.split("=")[1]) for x in extra if x.startswith(("parallel.tp=", "parallel.pp="))]
+    if split:  # the plan's world: tp x pp devices of this kind (the row measures rank 0, its peers faked)
+        gpus = f"{math.prod(split)}x{gpus}"
     return [
         f"model.source={toml_literal(model_source)}",
         f"mode={toml_literal(mode)}",
@@ -253,7 +259,7 @@ def measure_row(cfg, r, device, steps: int, snapshot: Path | None = None) -> dic
     from trainplan.run import dist
 
     env = dist.DistEnv(rank=0, world=1, local_rank=device.index or 0, device=device)
-    if r.dims.tp > 1:  # rank 0 of the tp split, its peers faked: a collective allocates, sends nothing
+    if r.dims.tp > 1 or r.dims.pp > 1:  # rank 0 of the split, its peers faked: a collective allocates, sends nothing
         with P.fake_process_group(r.dims.world_size):
             env = dist.DistEnv(rank=0, world=r.dims.world_size, local_rank=device.index or 0, device=device)
             return _measure(cfg, r, device, steps, mesh=dist.mesh(env, r.dims), snapshot=snapshot)
@@ -284,8 +290,9 @@ def _measure(cfg, r, device, steps: int, *, mesh, snapshot: Path | None = None) 
         torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     torch.manual_seed(0)
     host = features.optimizer_offload.on_host(r.dims)
-    if mesh is not None and not host:  # tensor parallelism: the split built on meta, materialized on the device
-        model = build.materialize(build.build_model(r.spec, cfg, r.precision, dims=r.dims, mesh=mesh), device)
+    if mesh is not None and not host:  # tp or pp: rank 0's split or stage built on meta, materialized on the device
+        model = build.build_model(r.spec, cfg, r.precision, dims=r.dims, mesh=mesh, stage=0)
+        model = build.materialize(model, device)
     elif mesh is not None:
         model = build.build_model(r.spec, cfg, r.precision, dims=r.dims, mesh=mesh)
         model = build.buffers_to(build.materialize(model, "cpu"), device)
@@ -296,6 +303,12 @@ def _measure(cfg, r, device, steps: int, *, mesh, snapshot: Path | None = None) 
     b = r.batch
     ids = torch.randint(0, r.spec.vocab_size, (b.micro_batch_size, b.seq_len), device=device)
     micro = [{"input_ids": ids, "labels": ids.clone()}]
+    pipeline = None
+    if r.dims.pp > 1:  # the first stage, 1F1B over the window's micro-batches (before the optimizer: as train)
+        from trainplan.features.pipeline_parallel.engine import Pipeline
+
+        micro = micro * b.grad_accum_steps
+        pipeline = Pipeline(model, r.dims, 0, b.grad_accum_steps, device, mesh=mesh, prec=r.precision, example=micro[0])
     inference = cfg.mode == "inference"
     optimizer = None
     if not inference:
@@ -328,14 +341,15 @@ def _measure(cfg, r, device, steps: int, *, mesh, snapshot: Path | None = None) 
                     prec=r.precision, device_type=device.type, max_grad_norm=cfg.train.max_grad_norm
                 )
                 hooks = step.StepHooks(on_phase=on_phase)
-                loss = step.train_step(model, step.Update(optimizer), micro, settings, hooks=hooks).loss
+                run = pipeline.step if pipeline is not None else functools.partial(step.train_step, model)
+                loss = run(step.Update(optimizer), micro, settings, hooks=hooks).loss
         _sync(device)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
         if meter is not None:
             memory = meter.result()
             moved = hooks_of.peak_bytes if hooks_of is not None else None
-    del model, optimizer, micro, ids, loss, hooks_of
+    del model, optimizer, micro, ids, loss, hooks_of, pipeline
     snapped = None
     if recording:
         snapshot.parent.mkdir(parents=True, exist_ok=True)
@@ -441,6 +455,8 @@ def _ok(err: float | None, target: float) -> bool | None:
 
 def compare(ledger, trace: dict, run: dict, nvml_baseline: int | None) -> dict:
     """Plans beside measurements: per phase, then the row's peaks, errors and targets."""
+    from trainplan.verify import checks
+
     dev = ledger.devices[0]
     mem = run["memory"]
     cuda = mem["cuda"]
@@ -452,15 +468,16 @@ def compare(ledger, trace: dict, run: dict, nvml_baseline: int | None) -> dict:
         c = cuda.get(ph, {})
         allocated = c.get("max_allocated", tracker)
         nvml = c.get("nvml_used")
+        planned = sum(checks.planned_phase(dev, ph).values()) or None  # 1F1B: the larger of forward, backward
         phases[ph] = {
-            "analytic": dev.phase_total(ph) if ph in dev.phases else None,
+            "analytic": planned,
             "traced": traced_phases.get(ph),
             "tracker": tracker,
             "max_allocated": allocated,
             "max_reserved": c.get("max_reserved"),
             "nvml_used": nvml - nvml_baseline if nvml is not None and nvml_baseline is not None else nvml,
             "allocator_minus_tracker": allocated - tracker if c else 0,
-            "analytic_vs_allocated": _rel(dev.phase_total(ph) if ph in dev.phases else None, allocated),
+            "analytic_vs_allocated": _rel(planned, allocated),
             "traced_vs_allocated": _rel(traced_phases.get(ph), allocated),
         }
     allocated = max(p["max_allocated"] for p in phases.values())

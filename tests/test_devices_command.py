@@ -170,7 +170,7 @@ def test_gpu_validate_smoke_run_writes_the_results(tmp_path):
     assert doc["schema"] == "trainplan.gpu_validate/1" and doc["kind"] == "smoke"
     assert {"versions", "devices", "targets", "rows", "summary", "elapsed_s"} <= set(doc)
     assert doc["devices"]["passed"] is True and doc["targets"] == {"allocated": 0.03, "reserved": 0.05}
-    assert [row["config"]["mode"] for row in doc["rows"]] == ["full", "lora", "full", "full"]
+    assert [row["config"]["mode"] for row in doc["rows"]] == ["full", "lora", "full", "full", "full"]
     moved = doc["rows"][2]["measured"]  # activation offload: the hooks' bytes as planned
     assert moved["offloaded_activation_bytes"] > 0 and moved["offloaded_vs_plan"] == 0
     tp = doc["rows"][3]  # rank 0 of tp 2, its peer faked: the analytic plan's rank 0, traced the same way
@@ -178,6 +178,10 @@ def test_gpu_validate_smoke_run_writes_the_results(tmp_path):
     assert 'hardware.gpus="2xcpu"' in tp["settings"]
     plans = tp["plan"]["analytic"]["phases"], tp["plan"]["traced"]["phases"]
     assert all(plans[1][ph] == pytest.approx(plans[0][ph], rel=1e-3) for ph in ("forward", "backward")), plans
+    pp = doc["rows"][4]  # the first stage of pp 2, its peer faked, its metadata static: 1F1B and the step
+    assert pp["status"] == "ok" and pp["targets_met"]["analytic_allocated"] is True, pp
+    assert pp["targets_met"]["traced_allocated"] is True and 'hardware.gpus="2xcpu"' in pp["settings"]
+    assert set(pp["measured"]["phases"]) == {"1f1b", "optimizer"}
     for row in doc["rows"][:3]:
         assert row["status"] == "ok", row
         assert {"plan", "measured", "errors", "targets_met", "throughput", "hf"} <= set(row)
@@ -192,6 +196,6 @@ def test_gpu_validate_smoke_run_writes_the_results(tmp_path):
     lora = doc["rows"][1]
     assert lora["hf"]["tokens_per_s"] > 0 and lora["hf"]["ratio_trainplan_over_hf"] > 0
     assert doc["rows"][0]["hf"] is None
-    assert doc["summary"]["ok"] == 4 and doc["summary"]["analytic_allocated"] == "4/4"
+    assert doc["summary"]["ok"] == 5 and doc["summary"]["analytic_allocated"] == "5/5"
     tail = r.stdout.strip().splitlines()
-    assert tail[-6].startswith("row ") and "4/4 rows ran" in tail[-1]  # the table is printed last
+    assert tail[-7].startswith("row ") and "5/5 rows ran" in tail[-1]  # the table is printed last
