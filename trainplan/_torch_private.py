@@ -57,33 +57,26 @@ def check_torch_version(version: str = torch.__version__) -> None:
 
 
 @contextlib.contextmanager
-def unpacked_sequences() -> Iterator[None]:
-    """Tell transformers' mask code the batch holds one sequence per row, as trainplan's batches do."""
-    try:
-        import transformers.masking_utils as masking
-    except ImportError:  # older transformers: no packed-sequence detection to bypass
-        yield
-        return
-    original = masking.find_packed_sequence_indices
-    masking.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking.find_packed_sequence_indices = original
-
-
-@contextlib.contextmanager
-def packed_sequences() -> Iterator[None]:
-    """Tell transformers' mask code the batch holds packed documents, without reading the position ids'
-    values (fake tensors have none): the document index of each token, from where its position is 0."""
+def _packed_sequence_indices(find) -> Iterator[None]:
+    """transformers' mask code told where a batch's packed documents are by `find`, not by their values."""
     import transformers.masking_utils as masking
 
-    original = masking.find_packed_sequence_indices
-    masking.find_packed_sequence_indices = lambda position_ids: (position_ids == 0).cumsum(-1) - 1
+    original, masking.find_packed_sequence_indices = masking.find_packed_sequence_indices, find
     try:
         yield
     finally:
         masking.find_packed_sequence_indices = original
+
+
+def unpacked_sequences():
+    """Tell transformers' mask code the batch holds one sequence per row, as trainplan's batches do."""
+    return _packed_sequence_indices(lambda position_ids: None)
+
+
+def packed_sequences():
+    """Tell transformers' mask code the batch holds packed documents, without reading the position ids'
+    values (fake tensors have none): the document index of each token, from where its position is 0."""
+    return _packed_sequence_indices(lambda position_ids: (position_ids == 0).cumsum(-1) - 1)
 
 
 def fake_mode():
@@ -95,11 +88,9 @@ def fake_mode():
 
 @contextlib.contextmanager
 def grouped_mm_any_dtype() -> Iterator[None]:
-    """Fake tensors through aten._grouped_mm (transformers' MoE experts) in fp32 and fp16.
-
-    torch's meta kernel checks for bf16 only (the CUDA fast path's constraint), while the CPU and
-    CUDA kernels also take fp32 and fp16 and return the input dtype: without this, tracing an fp32
-    MoE model raises where training it does not."""
+    """Fake tensors through aten._grouped_mm (transformers' MoE experts) in fp32 and fp16: torch's meta kernel
+    checks for bf16 only (the CUDA fast path's constraint), while the CPU and CUDA kernels also take fp32 and
+    fp16 and return the input dtype (without this, tracing an fp32 MoE model raises where training does not)."""
     import torch._meta_registrations as M
 
     original = M._meta_grouped_mm_common
@@ -569,17 +560,12 @@ def fake_process_group(world_size: int) -> Iterator[None]:
 
 
 def static_pipeline(schedule) -> None:
-    """Run `schedule`'s stages in torch's static metadata mode, skipping the warm-up vote by which the
-    ranks agree on it: a stage whose peers are faked (the trace) receives nothing real, so the vote (an
-    exchange of flags) and dynamic metadata inference (an exchange of pickled shapes) cannot run. The
-    stages were built with their metadata (PipelineStage's input_args, output_args and gradients)."""
+    """`schedule`'s stages in torch's static metadata mode (built with their input_args, output_args and
+    gradients), without the warm-up vote by which the ranks agree on the mode: a stage whose peers are
+    faked (the trace) receives nothing real, so neither the vote nor dynamic metadata inference can run."""
     from torch.distributed.pipelining.stage import InferenceMode
 
-    def warm_up(stages, has_backward, p2p_done):
-        for stage in stages:
-            stage._inference_mode = InferenceMode.STATIC
-
-    schedule._warmup_p2p = warm_up
+    schedule._warmup_p2p = lambda stages, *_: [setattr(s, "_inference_mode", InferenceMode.STATIC) for s in stages]
 
 
 def partitioned_backend():
