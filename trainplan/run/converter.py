@@ -37,10 +37,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     for module in model.modules():
         for name in ("layers", "h"):
             blocks = getattr(module, name, None)
-            if isinstance(blocks, nn.ModuleDict) and len(blocks) and module is not model:
-                return list(blocks.values())
-            if isinstance(blocks, nn.ModuleList) and len(blocks) and module is not model:
-                return list(blocks)
+            if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)) and len(blocks) and module is not model:
+                return list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
     raise TrainplanError("model.source: cannot find the decoder layers of this model")
 
 

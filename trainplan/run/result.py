@@ -60,8 +60,8 @@ def save(
 ) -> dict:
     """Write the result of a training run; returns what the run record keeps of it. `base_model`: where
     the base weights load from (run/weights.py `base_reference`), named in an adapter's config so that
-    PEFT alone finds it; None for random weights. stage: (index, stages, replica) of a pipeline's rank,
-    whose first replica writes the stage."""
+    PEFT alone finds it; None for random weights. stage: (index, stages, place) of a pipeline's rank,
+    its place among the stage's ranks (replicas and tp ranks): the first writes the stage."""
     base = getattr(model, "module", model)  # DDP's wrapper holds the model itself
     adapter = mode in lora.ADAPTER_MODES
     final = Path(out_dir) / DIRNAME
@@ -72,8 +72,8 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         env.barrier()
-        index, count, replica = stage
-        own = _write_stage(base, adapter, tmp, index, count, write=replica == 0)  # gathered by every replica
+        index, count, place = stage
+        own = _write_stage(base, adapter, tmp, index, count, write=place == 0)  # gathered by every stage rank
         parts = [part for part in env.gather(own) if part]
         state = _full_state_dict(base, trainable_only=True, main=env.is_main) if adapter else {}  # the main rank's own
         if env.is_main and not adapter:
@@ -110,9 +110,9 @@ def _write_stage(
     base: nn.Module, adapter: bool, tmp: Path, index: int, count: int, *, write: bool
 ) -> tuple[str, list[str], int] | None:
     """This pipeline stage's tensors, copied to the host a tensor at a time and written (`write`: the
-    stage's first replica) to its own file in `tmp`: transformers' shard of the whole model (full), or its
+    stage's first rank) to its own file in `tmp`: transformers' shard of the whole model (full), or its
     adapters under the names PEFT gives them in its file, which the main rank merges (PEFT names them
-    from the modules it holds, so each stage names its own). Under FSDP2 every replica of the stage
+    from the modules it holds, so each stage names its own). Under FSDP2 or tp every rank of the stage
     gathers each tensor with the others. Returns (file name, tensor names, bytes), None where not written."""
     from safetensors.torch import save_file
 

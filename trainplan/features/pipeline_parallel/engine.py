@@ -113,8 +113,8 @@ class Pipeline:
         if dims.world_size != dims.pp * dims.dp * dims.tp:  # internal: ParallelDims holds it
             raise AssertionError(f"the pipeline's ranks are its stages' replicas and tp ranks, got {dims.describe()}")
         self.dims, self.device = dims, torch.device(device)
-        self.index, self.dp_index, tp_index = dims.coords(rank)
-        self.within = self.dp_index * dims.tp + tp_index  # the rank's place among its stage's ranks (0 writes)
+        self.index = dims.coords(rank)[0]
+        self.within = rank % (dims.dp * dims.tp)  # the rank's place among its stage's ranks (0 writes the stage)
         self.first, self.last = self.index == 0, self.index == dims.pp - 1
         self.model, self.lm = model, causal_lm(model)
         if isinstance(self.lm.model.layers, nn.ModuleList):  # internal: the stage is cut before its weights load
