@@ -1,14 +1,13 @@
-"""Every use of private PyTorch and transformers internals lives here: fake tensors, the fake
-process group, dispatch-mode tracking, and transformers' mask code.
+"""Every use of private PyTorch and transformers internals lives here: fake tensors, the fake process group,
+dispatch-mode tracking, packed DTensor splits, and transformers' mask code.
 
 The torch range trainplan is tested with is TESTED_TORCH below, the one statement of it: pyproject's `run` extra
 declares the same bounds and requirements.txt pins a version inside them (tests/test_torch_private.py holds all three
 together). An upgrade outside it fails here, loudly, instead of somewhere deep in a trace.
 
 Known workarounds, each needed by the tracer:
-- `.to()` / `to_empty()` fail on modules holding fake parameters: build on meta, wrap with PEFT
-  first, then `to_empty` inside `FakeTensorMode(allow_non_fake_inputs=True)`; to_empty also
-  unties shared weights, so the builder re-ties them.
+- `.to()` / `to_empty()` fail on modules holding fake parameters: build on meta, wrap with PEFT first, then
+  `to_empty` inside `FakeTensorMode(allow_non_fake_inputs=True)`; to_empty unties weights: the builder re-ties.
 - torch.distributed._tools.MemTracker fails on frozen parameters, refuses a second iteration,
   spends O(modules) per op, and (torch 2.13) keeps counting some storages after they are freed
   when LoRA meets activation checkpointing (+T x V bytes after the loss). StorageTracker below
@@ -23,9 +22,8 @@ Known workarounds, each needed by the tracer:
 - A dispatch mode makes torch.compile run its frames eagerly: a compiled step is measured from the
   outside, through the profiler's allocator events (`memory_timeline`) or CUDA's allocator.
 - Fake CUDA tensors abort on a CPU build: trace on the CPU device only.
-- transformers 5's mask code cannot read fake position ids, so under fake tensors it assumes
-  packed sequences and builds a (b, 1, s, s) mask that a real run without padding never does.
-  trainplan's batches are unpacked, so the trace tells it so.
+- transformers 5's mask code cannot read fake position ids, so under fake tensors it assumes packed
+  sequences (a (b, 1, s, s) mask); the trace tells it where the documents are.
 """
 
 from __future__ import annotations
@@ -164,16 +162,8 @@ def _python_body(func, args, kwargs) -> Callable | None:
 # autograd nodes that make a view or a copy of their one input: a tensor whose history reaches a
 # parameter through these alone is that parameter's (a transposed weight, autocast's bf16 copy)
 _VIEW_OR_CAST = frozenset(
-    {
-        "TBackward0",
-        "ToCopyBackward0",
-        "ViewBackward0",
-        "TransposeBackward0",
-        "PermuteBackward0",
-        "ExpandBackward0",
-        "AliasBackward0",
-        "UnsafeViewBackward0",
-    }
+    "TBackward0 ToCopyBackward0 ViewBackward0 TransposeBackward0 PermuteBackward0 ExpandBackward0 AliasBackward0 "
+    "UnsafeViewBackward0".split()
 )
 
 
@@ -238,11 +228,29 @@ def local_slice(dtensor) -> tuple[slice, ...] | None:
     copy just those bytes from a memory-mapped file; None where torch maps the placements to none."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as box
 
+    if packed(dtensor):  # torch maps its strided local to one wrong box
+        return None
     try:
         shape, offset = box(dtensor.shape, dtensor.device_mesh, dtensor.placements)
     except (NotImplementedError, AssertionError, RuntimeError):
         return None
     return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def packed_shard(dim: int, parts: int):
+    """A split of a dim of `parts` equal parts (a fused [gate; up]), each over the mesh: rank r holds [part 0's
+    r-th chunk; part 1's; ...]. torch's _StridedShard: full_tensor and distribute_tensor know it, DCP not."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=parts)
+
+
+def packed(dtensor) -> tuple[int, int] | None:
+    """(dim, parts) of a DTensor split by packed_shard over a 1-D mesh, else None."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    p, *more = getattr(dtensor, "placements", (None,))
+    return (p.dim, p.split_factor) if isinstance(p, _StridedShard) and not more else None
 
 
 def fsdp_offload_policy(model: torch.nn.Module) -> str | None:
@@ -259,9 +267,8 @@ def fsdp_offload_policy(model: torch.nn.Module) -> str | None:
 
 
 def fsdp_reshards_after_forward(model: torch.nn.Module) -> bool | None:
-    """Whether FSDP2 frees the unsharded parameters after each unit's forward (ZeRO-3) or keeps them
-    until backward (ZeRO-2-like, fsdp-grad-op), read from its parameter groups; None when the model is
-    not sharded by FSDP2. The root is left out: FSDP2 may keep the root's parameters either way."""
+    """Whether FSDP2 frees the unsharded parameters after each unit's forward (ZeRO-3) or keeps them until backward
+    (fsdp-grad-op), from its parameter groups; None if not FSDP2. The root is left out: it may keep them either way."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
@@ -273,9 +280,8 @@ def fsdp_reshards_after_forward(model: torch.nn.Module) -> bool | None:
 
 @contextlib.contextmanager
 def no_gguf_bars() -> Iterator[None]:
-    """No progress bar while transformers loads a GGUF file, for output that is piped: its weight
-    loading bar (transformers' logging tqdm) and the GGUF loader's own, a plain tqdm that
-    disable_progress_bar does not reach."""
+    """No progress bar while transformers loads a GGUF file, for output that is piped: its weight loading
+    bar (transformers' logging tqdm) and the GGUF loader's own, a tqdm that disable_progress_bar misses."""
     import transformers
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
@@ -560,9 +566,8 @@ def fake_process_group(world_size: int) -> Iterator[None]:
 
 
 def static_pipeline(schedule) -> None:
-    """`schedule`'s stages in torch's static metadata mode (built with their input_args, output_args and
-    gradients), without the warm-up vote by which the ranks agree on the mode: a stage whose peers are
-    faked (the trace) receives nothing real, so neither the vote nor dynamic metadata inference can run."""
+    """`schedule`'s stages in torch's static metadata mode (built with their input/output args and gradients),
+    without the ranks' warm-up vote on it: a stage whose peers are faked (the trace) receives nothing real."""
     from torch.distributed.pipelining.stage import InferenceMode
 
     schedule._warmup_p2p = lambda stages, *_: [setattr(s, "_inference_mode", InferenceMode.STATIC) for s in stages]
@@ -584,17 +589,12 @@ def partitioned_backend():
         with V.set_fake_mode(detect_fake_mode(joint_inputs)):  # the joint passes expect inductor's context
             return compile_fx.partition_fn(gm, joint_inputs, **kwargs)
 
-    return aot_autograd(
-        fw_compiler=get_nop_func(),
-        bw_compiler=get_nop_func(),
-        decompositions=compile_fx.select_decomp_table,
-        partition_fn=partition,
-    )
+    nop, decompositions = get_nop_func(), compile_fx.select_decomp_table
+    return aot_autograd(fw_compiler=nop, bw_compiler=nop, decompositions=decompositions, partition_fn=partition)
 
 
 def forget_compiled() -> None:
-    """Drop every torch.compile cache entry of this process (the next call of a compiled function
-    compiles again)."""
+    """Drop every torch.compile cache entry of this process (a compiled function compiles again)."""
     import torch._dynamo
 
     torch._dynamo.reset()

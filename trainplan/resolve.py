@@ -137,7 +137,7 @@ def require_runnable(
     known; tied: the model ties its head to its embedding (the pipeline's stages cannot share it)."""
     features.require_runnable(cfg, dims, cuda=cuda)
     if model_type is not None and dims.tp > 1:
-        features.tensor_parallel.runnable_model(model_type)
+        features.tensor_parallel.runnable_model(model_type, dims)
     if model_type is not None and dims.pp > 1:
         features.pipeline_parallel.runnable_model(model_type, tied=tied)
     if max_positions is not None and cfg.batch.seq_len > max_positions and not cfg.model.extend_context:

@@ -54,3 +54,33 @@ def test_a_truncated_weights_file_is_one_line(tiny_run, tmp_path):
     r = resolve(cfg)
     with pytest.raises(ConfigError, match=r"^model.source: corrupt weights file .*; re-download or re-convert"):
         weights.load_model(cfg, r.spec, r.precision, torch.device("cpu"))
+
+
+def test_mixtral_per_expert_weights_load_as_transformers_loads_them(tiny_run, tmp_path):
+    """Mixtral's files hold each expert's w1 / w3 / w2 and the router under block_sparse_moe; the model
+    holds them fused and stacked. The loader (run/experts.py) builds what transformers' from_pretrained
+    builds, tensor for tensor, with the file's bytes copied once into the model; a file short of an
+    expert is refused by name."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    root, _ = tiny_run
+    small = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4}
+    config = transformers.MixtralConfig(**small, num_key_value_heads=2, vocab_size=49152, num_local_experts=3)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "w")
+    transformers.AutoTokenizer.from_pretrained(root / "weights").save_pretrained(tmp_path / "w")
+    (file,) = (tmp_path / "w").glob("*.safetensors")
+    assert "model.layers.1.block_sparse_moe.experts.2.w3.weight" in load_file(file)  # the published layout
+    sets = [f"model.source={tmp_path / 'w'}", "model.init=auto", "mode=full", "precision=fp32", "hardware.gpus=cpu"]
+    cfg = C.load(None, [*sets, "batch.seq_len=32"])
+    r = resolve(cfg)
+    ours = weights.load_model(cfg, r.spec, r.precision, torch.device("cpu")).state_dict()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "w").state_dict()
+    assert set(ours) == set(theirs)
+    assert [k for k in theirs if not torch.equal(ours[k], theirs[k])] == []
+    tensors = load_file(file)
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w1.weight"]
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"^model.source: weights are missing .*experts\.2\.w1\.weight; "):
+        weights.load_model(cfg, r.spec, r.precision, torch.device("cpu"))

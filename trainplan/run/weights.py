@@ -21,7 +21,7 @@ from trainplan.config import RunConfig
 from trainplan.errors import ConfigError, TrainplanError
 from trainplan.features.qlora import engine as qlora
 from trainplan.files import safetensors_header
-from trainplan.run import build
+from trainplan.run import build, experts
 from trainplan.spec import hub
 from trainplan.spec.model import ModelSpec, default_gguf_path, model_dir
 from trainplan.spec.precision import Precision
@@ -207,10 +207,12 @@ def _load_model(model: nn.Module, cfg: RunConfig, spec: ModelSpec, device: torch
     own = {k: v for k, v in base.state_dict().items() if "lora_" not in k}
     source_name = {k: k.replace(".base_layer", "") for k in own}
     where = _tensor_files(files)
+    per_expert = {k for k, src in source_name.items() if src not in where and experts.sources(src)}
     missing = [
         k
         for k, src in source_name.items()
-        if src not in where and not (spec.tie_word_embeddings and src == "lm_head.weight")
+        if (src not in where and k not in per_expert and not (spec.tie_word_embeddings and src == "lm_head.weight"))
+        or (k in per_expert and not all(s in where for s in experts.sources(src)))
     ]
     if missing:
         raise ConfigError(
@@ -226,7 +228,17 @@ def _load_model(model: nn.Module, cfg: RunConfig, spec: ModelSpec, device: torch
             src_name = source_name[name]
             if src_name in where:
                 _load_one(where[src_name], src_name, tensor)
+            elif name in per_expert:
+                _load_experts(src_name, tensor, where)
     return qlora.quantize(model, device) if four_bit else model
+
+
+def _load_experts(name: str, tensor: torch.Tensor, where: dict) -> None:
+    try:
+        experts.load(name, tensor, where)
+    except KeyError as e:
+        fix = "the directory does not hold this architecture's weights"
+        raise ConfigError("model.source", f"weights are missing {e.args[0]}", fix) from None
 
 
 class SafetensorsFile:

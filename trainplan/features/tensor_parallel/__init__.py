@@ -21,11 +21,13 @@ if TYPE_CHECKING:
 # The architectures whose decoder layers the engine splits: separate q/k/v/o and gate/up/down
 # projections with these names, heads reshaped from the projection's own width (so a rank's share of
 # the heads needs no change to the attention code); Gemma-2's scaled embedding keeps its scale
-# (engine.py `_vocab_parallel_forward`). Phi-3's fused qkv_proj and gate_up_proj would be split across
-# their parts; GPT-2's Conv1D is not a Linear; a mixture of experts is not split yet.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+# (engine.py `_vocab_parallel_forward`). Mixtral's experts are split by the intermediate width, their
+# fused [gate; up] packed (engine.py `experts`), its router replicated. Phi-3's fused qkv_proj would be
+# split across its unequal parts; GPT-2's Conv1D is not a Linear.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral")
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")
+EXPERTS, ROUTER = "mlp.experts", "mlp.gate"  # a sparse mixture block's (transformers 5's names)
 
 
 def on(cfg: RunConfig) -> bool:
@@ -71,8 +73,16 @@ def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
         )
 
 
-def runnable_model(model_type: str) -> None:
+def runnable_model(model_type: str, dims: ParallelDims) -> None:
     """The architectures the engine splits (MODEL_TYPES), asked once the model's type is known."""
+    if model_type == "mixtral" and dims.dp > 1:
+        raise NotRunnable(
+            "parallel.tp",
+            "FSDP2 over a tp split of a mixture's packed [gate; up] experts is not built (the engine splits "
+            "them over tp alone)",
+            "run Mixtral with parallel.tp alone (dp 1), or with FSDP2 alone (parallel.tp = 1)",
+            what="2-D FSDP2 x tp on Mixtral",
+        )
     if model_type not in MODEL_TYPES:
         raise NotRunnable(
             "parallel.tp",

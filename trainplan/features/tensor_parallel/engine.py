@@ -4,6 +4,9 @@ model before FSDP2 (run/build.py CONVERTERS), so a 2-D run shards the tp shards 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -97,6 +100,90 @@ class _SumOverTP(torch.autograd.Function):
         return grad, None
 
 
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's copy-to-model-parallel region: the replicated input of a split computation passes
+    unchanged, and its gradient, one partial sum per tp rank, is summed over them."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+@contextlib.contextmanager
+def _local_parameters(module: nn.Module) -> Iterator[None]:
+    """The module's own parameters (DTensors) read as this rank's local tensors while its forward runs:
+    code that indexes or slices them (a mixture's experts, a router's topk) sees plain tensors; the
+    gradient reaches each DTensor through to_local."""
+    held = dict(module._parameters)
+    try:
+        for name, p in held.items():
+            if p is not None and hasattr(p, "to_local"):
+                module._parameters[name] = p.to_local()
+        yield
+    finally:
+        module._parameters.update(held)
+
+
+def _local_forward(module: nn.Module, forward, group, split: bool, *args, **kwargs):
+    """`forward` on the module's local parameters. A split module (its parameters tp shards) takes its
+    floating inputs through _CopyToTP and sums its ranks' partial outputs (_SumOverTP); a replicated
+    one (a router) computes alike on every rank."""
+    if split:
+        args = tuple(_CopyToTP.apply(a, group) if _floating(a) else a for a in args)
+    with _local_parameters(module):
+        out = forward(module, *args, **kwargs)
+    return _SumOverTP.apply(out.contiguous(), group) if split else out
+
+
+def _floating(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def local_style(placements: dict[str, object] | None):
+    """A module computed on local tensors: each parameter named in `placements` distributed so (the rest
+    replicated; None: all replicated), its forward `_local_forward`. The experts of a mixture: their
+    fused [gate; up] split by the intermediate width within each part (packed), down split by it too."""
+    import functools
+
+    from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class Local(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            def partition(_, mod, mesh):
+                if mod is not module:
+                    return
+                for name, p in list(mod.named_parameters(recurse=False)):
+                    where = (placements or {}).get(name, Replicate())
+                    mod.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, [where]), p.requires_grad))
+
+            distribute_module(module, device_mesh, partition_fn=partition)
+            forward = type(module).forward
+            group = device_mesh.get_group()
+            module.forward = functools.partial(_local_forward, module, forward, group, placements is not None)
+            return module
+
+    return Local()
+
+
+def experts():
+    """A mixture's experts (transformers' 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I]): each rank
+    holds every expert's share of the intermediate width, the gate's and the up's (a packed split of
+    the fused dim, its local [gate_r; up_r] as the experts' chunk(2) reads it), and down by input."""
+    from torch.distributed.tensor import Shard
+
+    from trainplan import _torch_private as P
+
+    return local_style({"gate_up_proj": P.packed_shard(1, parts=2), "down_proj": Shard(2)})
+
+
 def _vocab_parallel_forward(module: nn.Embedding, group, ids: torch.Tensor) -> torch.Tensor:
     """The embedding of `ids` from this rank's vocabulary shard (rows of torch.chunk's split, as the
     Shard(0) DTensor holds them): tokens outside it look up row 0 and are zeroed, then the ranks' rows
@@ -160,6 +247,14 @@ def _linear_plan(layer: nn.Module, name: str, column: bool) -> dict:
     return out
 
 
+def _has(layer: nn.Module, name: str) -> bool:
+    try:
+        layer.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def parallelize(model: nn.Module, mesh) -> nn.Module:
     """Split `model` (a causal LM of tensor_parallel.MODEL_TYPES, on the meta device, PEFT's LoRA in place
     or not) over `mesh`'s tp axis. Which parameters train is kept (the styles make new parameters)."""
@@ -174,10 +269,16 @@ def parallelize(model: nn.Module, mesh) -> nn.Module:
     for layer in decoder_layers(model):
         plan = {}
         for name in tensor_parallel.COLUMN + tensor_parallel.ROW:
-            plan |= _linear_plan(layer, name, column=name in tensor_parallel.COLUMN)
+            if _has(layer, name):  # a mixture's layer has no dense MLP
+                plan |= _linear_plan(layer, name, column=name in tensor_parallel.COLUMN)
         for name, module in layer.named_modules():
             if name and not isinstance(module, nn.Linear) and list(module.parameters(recurse=False)):
-                plan[name] = replicated()  # the norms (Qwen3's per-head q/k norms too)
+                if name == tensor_parallel.EXPERTS:
+                    plan[name] = experts()
+                elif name == tensor_parallel.ROUTER:
+                    plan[name] = local_style(None)  # the router: whole on every rank, its topk on plain tensors
+                else:
+                    plan[name] = replicated()  # the norms (Qwen3's per-head q/k norms too)
         parallelize_module(layer, mesh, plan)
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     # (a pipeline stage holds the embedding on the first stage only, the norm and the head on the last)
@@ -200,3 +301,61 @@ def apply(model: nn.Module, b: Build) -> nn.Module:
     if b.dims is not None and b.dims.tp > 1:
         return parallelize(model, b.mesh)
     return model
+
+
+def checkpointable(state: dict) -> dict:
+    """`state` (DCP's model or optimizer state, nested) with each packed DTensor (engine.py `experts`) made
+    writable and readable by DCP: its local holds one piece of each part, which DCP, seeing one box a
+    rank, would write at the wrong offsets (torch refuses the overlap). Each piece is given as its own
+    chunk at its place in the whole tensor, so the checkpoint holds the model's own layout and loads
+    under any other split, or none."""
+    from trainplan import _torch_private as P
+
+    return {
+        k: checkpointable(v) if isinstance(v, dict) else _by_parts(v) if P.packed(v) else v for k, v in state.items()
+    }
+
+
+def pieces(packed) -> dict[torch.Size, torch.Tensor]:
+    """A packed DTensor's local as {offset in the whole tensor: view of the local}, a piece of each part."""
+    from trainplan import _torch_private as P
+
+    dim, parts = P.packed(packed)
+    local, whole = packed.to_local(), packed.shape[dim] // parts
+    piece = local.shape[dim] // parts
+    if piece * packed.device_mesh.size() != whole:
+        raise AssertionError(f"a packed split of {whole} over {packed.device_mesh.size()} ranks is uneven")
+    at, out = packed.device_mesh.get_local_rank() * piece, {}
+    for i in range(parts):
+        offset = [0] * packed.ndim
+        offset[dim] = i * whole + at
+        out[torch.Size(offset)] = local.narrow(dim, i * piece, piece)
+    return out
+
+
+def _by_parts(packed) -> torch.Tensor:
+    """A DTensor sharing `packed`'s storage that gives DCP one chunk per part (its _Checkpointable hooks)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    parts = pieces(packed)
+
+    def write_items(fqn, _):
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, o),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(o, v.shape),
+                    properties=TensorProperties.create_from_tensor(v),
+                    size=packed.size(),
+                ),
+            )
+            for o, v in parts.items()
+        ]
+
+    alias = packed.detach()
+    alias.__create_write_items__ = write_items
+    alias.__create_chunk_list__ = lambda: [ChunkStorageMetadata(o, v.shape) for o, v in parts.items()]
+    alias.__get_tensor_shard__ = lambda index: parts[index.offset]
+    return alias

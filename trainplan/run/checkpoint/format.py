@@ -101,8 +101,10 @@ def _dcp_state(model: nn.Module, optimizer) -> dict:
     DTensors under FSDP2, plain tensors otherwise, so any world size can read them back."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+    from trainplan.features.tensor_parallel.engine import checkpointable
+
     msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
-    return {"model": msd, "optimizer": osd}
+    return checkpointable({"model": msd, "optimizer": osd})
 
 
 @contextlib.contextmanager
