@@ -140,19 +140,21 @@ def test_what_the_engine_runs_passes():
         require_runnable(cfg, dims, max_positions=131072, cuda=True, model_type="llama")
 
 
-@pytest.mark.parametrize("model_type", ["phi3", "gpt2"])
-def test_tensor_parallelism_on_an_architecture_the_engine_does_not_split_is_refused(model_type):
+def test_tensor_parallelism_on_an_architecture_the_engine_does_not_split_is_refused():
     cfg, dims = job(**{"parallel.tp": 2, "mode": "full", "hardware.gpus": "2xH100-80GB"})
-    with pytest.raises(NotRunnable, match=f"parallel.tp: the engine splits .* this one is '{model_type}'"):
-        require_runnable(cfg, dims, cuda=True, model_type=model_type)
+    with pytest.raises(NotRunnable, match="parallel.tp: the engine splits .* this one is 'gpt2'"):
+        require_runnable(cfg, dims, cuda=True, model_type="gpt2")
 
 
-def test_mixtral_runs_tp_alone_and_refuses_fsdp2_over_its_packed_experts_by_name():
+@pytest.mark.parametrize(("model_type", "what"), [("mixtral", "a mixture's"), ("phi3", "Phi-3's fused")])
+def test_a_packed_split_runs_tp_alone_and_refuses_fsdp2_over_it_or_phi3s_grouped_heads(model_type, what):
     cfg, dims = job(**{"parallel.tp": 2, "mode": "full", "hardware.gpus": "2xH100-80GB"})
-    require_runnable(cfg, dims, cuda=True, model_type="mixtral")
+    require_runnable(cfg, dims, cuda=True, model_type=model_type)
+    with pytest.raises(NotRunnable, match=r"parallel.tp: Phi-3's fused qkv_proj under grouped-query attention"):
+        require_runnable(cfg, dims, cuda=True, model_type="phi3", grouped_kv=True)
     cfg, dims = job(**{"parallel.tp": 2, "parallel.strategy": "zero3", "mode": "full", "hardware.gpus": "4xH100-80GB"})
-    with pytest.raises(NotRunnable, match=r"parallel.tp: FSDP2 over a tp split of a mixture's packed \[gate; up\]"):
-        require_runnable(cfg, dims, cuda=True, model_type="mixtral")
+    with pytest.raises(NotRunnable, match=f"parallel.tp: FSDP2 over a packed tp split of {what}"):
+        require_runnable(cfg, dims, cuda=True, model_type=model_type)
 
 
 def test_a_sequence_beyond_the_model_context_is_refused():

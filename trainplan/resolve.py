@@ -126,6 +126,7 @@ def require_runnable(
     cuda: bool,
     model_type: str | None = None,
     tied: bool = False,
+    grouped_kv: bool = False,
 ) -> None:
     """Refuse what `trainplan train` cannot run: each feature's own rule (trainplan/features/), and a
     sequence beyond the model's context. The engine runs data parallelism (DDP, ZeRO-1, FSDP2) with
@@ -134,10 +135,11 @@ def require_runnable(
     dims: the layout as it will run (at data-parallel degree 1 every strategy is "single");
     max_positions: the model's context (a longer sequence is refused); cuda: whether the run has
     CUDA devices; model_type: the architecture (tensor and pipeline parallelism split some), where
-    known; tied: the model ties its head to its embedding (the pipeline's stages cannot share it)."""
+    known; tied: the model ties its head to its embedding (the pipeline's stages cannot share it); grouped_kv:
+    it has fewer key/value heads than query heads (Phi-3's fused qkv_proj cannot then be split)."""
     features.require_runnable(cfg, dims, cuda=cuda)
     if model_type is not None and dims.tp > 1:
-        features.tensor_parallel.runnable_model(model_type, dims)
+        features.tensor_parallel.runnable_model(model_type, dims, grouped_kv=grouped_kv)
     if model_type is not None and dims.pp > 1:
         features.pipeline_parallel.runnable_model(model_type, tied=tied)
     if max_positions is not None and cfg.batch.seq_len > max_positions and not cfg.model.extend_context:

@@ -86,6 +86,7 @@ def rung_blocker(cfg: C.RunConfig, r: Rung, spec: ModelSpec, devices: list[Devic
             cuda=all(d.is_gpu for d in devices),
             model_type=spec.model_type,
             tied=spec.tie_word_embeddings,
+            grouped_kv=spec.num_kv_heads < spec.num_heads,
         )
     except NotRunnable as e:
         return e.what

@@ -358,6 +358,7 @@ def runnable(r: Resolved) -> dict:
 
     spec, cuda = r.spec, all(d.is_gpu for d in r.devices)
     where = {"max_positions": spec.max_position_embeddings, "model_type": spec.model_type}
+    where["grouped_kv"] = spec.num_kv_heads < spec.num_heads
     try:
         require_runnable(r.cfg, r.dims, cuda=cuda, tied=spec.tie_word_embeddings, **where)
     except NotRunnable as e:

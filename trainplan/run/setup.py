@@ -120,6 +120,7 @@ def prepare(
         cuda=env.device.type == "cuda",
         model_type=r.spec.model_type,
         tied=r.spec.tie_word_embeddings,
+        grouped_kv=r.spec.num_kv_heads < r.spec.num_heads,
     )
     compute = r.precision.compute_dtype
     if env.device.type == "cpu" and compute != "fp32" and env.is_main and not cpu_native_16bit(compute):

@@ -320,6 +320,14 @@ def _load_one(handle: SafetensorsFile, name: str, tensor: torch.Tensor) -> None:
         warnings.simplefilter("ignore", UserWarning)
         src = handle.tensor(name)
         part = src[box] if box is not None else None  # an FSDP2 or tp shard: this rank's box of it
+    if P.packed(tensor):  # a packed tp split: a box of each part, straight from the mapped bytes
+        from trainplan.features.tensor_parallel.engine import pieces
+
+        for offset, view in pieces(tensor).items():
+            with P.untracked():
+                piece = src[tuple(slice(o, o + n) for o, n in zip(offset, view.shape, strict=True))]
+            view.copy_(piece)
+        return
     if isinstance(tensor, DTensor):
         local = tensor.to_local()
         if part is not None and tuple(local.shape) == tuple(part.shape):

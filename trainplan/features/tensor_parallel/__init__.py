@@ -22,11 +22,14 @@ if TYPE_CHECKING:
 # projections with these names, heads reshaped from the projection's own width (so a rank's share of
 # the heads needs no change to the attention code); Gemma-2's scaled embedding keeps its scale
 # (engine.py `_vocab_parallel_forward`). Mixtral's experts are split by the intermediate width, their
-# fused [gate; up] packed (engine.py `experts`), its router replicated. Phi-3's fused qkv_proj would be
-# split across its unequal parts; GPT-2's Conv1D is not a Linear.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral")
+# fused [gate; up] packed (engine.py `experts`), its router replicated. Phi-3's fused [q; k; v] and
+# [gate; up] are packed too (engine.py `packed_column`), which takes equal parts: not under grouped
+# heads (q wider than k and v). GPT-2's Conv1D is not a Linear.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mixtral", "phi3")
+PACKED_TYPES = ("mixtral", "phi3")  # a packed split: not under FSDP2 (2-D)
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")
+PACKED = {"self_attn.qkv_proj": 3, "mlp.gate_up_proj": 2}  # fused column-wise projections: their parts
 EXPERTS, ROUTER = "mlp.experts", "mlp.gate"  # a sparse mixture block's (transformers 5's names)
 
 
@@ -73,15 +76,24 @@ def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
         )
 
 
-def runnable_model(model_type: str, dims: ParallelDims) -> None:
-    """The architectures the engine splits (MODEL_TYPES), asked once the model's type is known."""
-    if model_type == "mixtral" and dims.dp > 1:
+def runnable_model(model_type: str, dims: ParallelDims, *, grouped_kv: bool = False) -> None:
+    """The architectures the engine splits (MODEL_TYPES), asked once the model's type is known
+    (grouped_kv: fewer key/value heads than query heads)."""
+    if model_type in PACKED_TYPES and dims.dp > 1:
+        what = "a mixture's [gate; up] experts" if model_type == "mixtral" else "Phi-3's fused projections"
         raise NotRunnable(
             "parallel.tp",
-            "FSDP2 over a tp split of a mixture's packed [gate; up] experts is not built (the engine splits "
-            "them over tp alone)",
-            "run Mixtral with parallel.tp alone (dp 1), or with FSDP2 alone (parallel.tp = 1)",
-            what="2-D FSDP2 x tp on Mixtral",
+            f"FSDP2 over a packed tp split of {what} is not built (the engine splits them over tp alone)",
+            "use parallel.tp alone (dp 1), or FSDP2 alone (parallel.tp = 1)",
+            what=f"2-D FSDP2 x tp on {model_type}",
+        )
+    if model_type == "phi3" and grouped_kv:
+        raise NotRunnable(
+            "parallel.tp",
+            "Phi-3's fused qkv_proj under grouped-query attention holds q, k and v of unequal widths, which the "
+            "engine's packed split (equal parts) cannot share out by heads",
+            'set parallel.tp = 1 (FSDP2, parallel.strategy = "zero3", shards any model)',
+            what="tensor parallelism on Phi-3 with grouped-query attention",
         )
     if model_type not in MODEL_TYPES:
         raise NotRunnable(

@@ -131,25 +131,25 @@ def _local_parameters(module: nn.Module) -> Iterator[None]:
         module._parameters.update(held)
 
 
-def _local_forward(module: nn.Module, forward, group, split: bool, *args, **kwargs):
+def _local_forward(module: nn.Module, forward, group, split: str | None, *args, **kwargs):
     """`forward` on the module's local parameters. A split module (its parameters tp shards) takes its
-    floating inputs through _CopyToTP and sums its ranks' partial outputs (_SumOverTP); a replicated
-    one (a router) computes alike on every rank."""
+    floating inputs through _CopyToTP; a row-wise one ("row": the experts) then sums its ranks' partial
+    outputs (_SumOverTP), a column-wise one keeps its share of the output. A replicated one (split None:
+    a router) computes alike on every rank."""
     if split:
         args = tuple(_CopyToTP.apply(a, group) if _floating(a) else a for a in args)
     with _local_parameters(module):
         out = forward(module, *args, **kwargs)
-    return _SumOverTP.apply(out.contiguous(), group) if split else out
+    return _SumOverTP.apply(out.contiguous(), group) if split == "row" else out
 
 
 def _floating(x) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point()
 
 
-def local_style(placements: dict[str, object] | None):
+def local_style(placements: dict[str, object] | None, split: str | None = None):
     """A module computed on local tensors: each parameter named in `placements` distributed so (the rest
-    replicated; None: all replicated), its forward `_local_forward`. The experts of a mixture: their
-    fused [gate; up] split by the intermediate width within each part (packed), down split by it too."""
+    replicated; None: all replicated), its forward `_local_forward` (split: "row", "column" or None)."""
     import functools
 
     from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
@@ -167,7 +167,7 @@ def local_style(placements: dict[str, object] | None):
             distribute_module(module, device_mesh, partition_fn=partition)
             forward = type(module).forward
             group = device_mesh.get_group()
-            module.forward = functools.partial(_local_forward, module, forward, group, placements is not None)
+            module.forward = functools.partial(_local_forward, module, forward, group, split)
             return module
 
     return Local()
@@ -181,7 +181,16 @@ def experts():
 
     from trainplan import _torch_private as P
 
-    return local_style({"gate_up_proj": P.packed_shard(1, parts=2), "down_proj": Shard(2)})
+    return local_style({"gate_up_proj": P.packed_shard(1, parts=2), "down_proj": Shard(2)}, "row")
+
+
+def packed_column(parts: int):
+    """A linear whose output is `parts` equal parts fused (Phi-3's [q; k; v] without grouped heads, its
+    [gate; up]) split by output within each part: rank r computes [part 0's r-th share; part 1's; ...],
+    which the model's own slicing of the output reads as this rank's heads or intermediate width."""
+    from trainplan import _torch_private as P
+
+    return local_style({"weight": P.packed_shard(0, parts=parts)}, "column")
 
 
 def _vocab_parallel_forward(module: nn.Embedding, group, ids: torch.Tensor) -> torch.Tensor:
@@ -229,14 +238,18 @@ def vocab_parallel():
     return VocabParallel()
 
 
-def _linear_plan(layer: nn.Module, name: str, column: bool) -> dict:
+def _linear_plan(layer: nn.Module, name: str, column: bool, parts: int = 1) -> dict:
     """The styles of one projection: its own, or under PEFT's LoRA its base layer's and its adapters',
     split to match (the plan's shapes, plan/tensors.py `_lora_shapes`): beside a column-wise base, A
-    whole and B split by output (its output adds to the base's shard); beside a row-wise base, A split
-    by input (its partial sums all-reduced) and B whole."""
+    whole and B split by output (its output adds to the base's shard; packed as the base where the base
+    fuses `parts`); beside a row-wise base, A split by input (its partial sums all-reduced) and B whole."""
+    import functools
+
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     split = ColwiseParallel if column else RowwiseParallel
+    if parts > 1:
+        split = functools.partial(packed_column, parts)
     module = layer.get_submodule(name)
     if not hasattr(module, "base_layer"):
         return {name: split()}
@@ -245,6 +258,16 @@ def _linear_plan(layer: nn.Module, name: str, column: bool) -> dict:
         out[f"{name}.lora_A.{adapter}"] = replicated() if column else RowwiseParallel()
         out[f"{name}.lora_B.{adapter}"] = ColwiseParallel() if column else replicated()
     return out
+
+
+def _local_heads(attention: nn.Module, tp: int) -> None:
+    """Phi-3's attention slices its fused output by the config's head counts: this rank's are 1/tp of them."""
+    import copy
+
+    attention.config = copy.copy(attention.config)
+    attention.config.num_attention_heads //= tp
+    attention.config.num_key_value_heads //= tp
+    attention.num_key_value_heads //= tp
 
 
 def _has(layer: nn.Module, name: str) -> bool:
@@ -269,8 +292,13 @@ def parallelize(model: nn.Module, mesh) -> nn.Module:
     for layer in decoder_layers(model):
         plan = {}
         for name in tensor_parallel.COLUMN + tensor_parallel.ROW:
-            if _has(layer, name):  # a mixture's layer has no dense MLP
+            if _has(layer, name):  # a mixture's layer has no dense MLP; Phi-3's fuses q/k/v and gate/up
                 plan |= _linear_plan(layer, name, column=name in tensor_parallel.COLUMN)
+        for name, parts in tensor_parallel.PACKED.items():
+            if _has(layer, name):
+                plan |= _linear_plan(layer, name, column=True, parts=parts)
+                if name == "self_attn.qkv_proj":
+                    _local_heads(layer.self_attn, mesh.size())
         for name, module in layer.named_modules():
             if name and not isinstance(module, nn.Linear) and list(module.parameters(recurse=False)):
                 if name == tensor_parallel.EXPERTS:
