@@ -73,6 +73,14 @@ def _tiny(tiny_run, tmp_path, config_cls, **extra) -> list[str]:
     return [*sets, f"model.cache_dir={tmp_path / 'cache'}"]
 
 
+def _traced_as_rank_0(record: dict) -> None:
+    """`trainplan trace`, rank 0 with its peer faked, allocates in each phase of the step what rank 0 measured."""
+    trace, _ = traced.trace(C.from_dict(record["config"]))
+    for phase in ("forward", "backward", "optimizer"):
+        got = sum(record["memory"]["per_rank"][0]["phases"][phase].values())
+        assert sum(trace.phases[phase].values()) == pytest.approx(got, rel=0.01), phase
+
+
 def _tp2_meets_one_process_and_its_plan(record: dict, ref: dict) -> None:
     assert record["hardware"]["ran"]["tp"] == 2 and record["contract"]["passed"], record["contract"]["detail"]
     assert [s["loss"] for s in record["steps"]] == pytest.approx([s["loss"] for s in ref["steps"]], rel=1e-5)
@@ -256,6 +264,7 @@ def test_mixtral_under_tp2_splits_its_experts_packed_and_its_checkpoint_loads_wh
     kept = sum(p.numel() for n, p in whole.named_parameters() if "norm" in n or n.endswith("mlp.gate.weight"))
     split = sum(p.numel() for p in whole.parameters()) - kept  # the experts' too: half of each on a rank
     assert [m["placement"]["cpu"]["bytes"] for m in record["memory"]["per_rank"]] == [4 * (kept + split // 2)] * 2
+    _traced_as_rank_0(record)  # measured: equal, byte for byte
     (ckpt,) = (tmp_path / "tp" / "checkpoints").iterdir()
     assert json.loads((ckpt / "manifest.json").read_text())["format"] == "dcp"
     one = [*sets, "train.steps=3", f"checkpoint.dir={ckpt.parent}", "checkpoint.resume=auto"]
@@ -280,6 +289,7 @@ def test_phi3_under_tp2_splits_its_fused_projections_by_parts(tiny_run, tmp_path
     _tp2_meets_one_process_and_its_plan(record, ref)
     if mode == "lora":
         return
+    _traced_as_rank_0(record)  # measured: equal, byte for byte
     (ckpt,) = (tmp_path / "tp" / "checkpoints").iterdir()
     one = [*sets, "train.steps=3", f"checkpoint.dir={ckpt.parent}", "checkpoint.resume=auto"]
     resumed = execute(C.load(None, [*one, f"train.output_dir={tmp_path / 'resumed'}"]), quiet=True)[0].to_json()
