@@ -118,6 +118,16 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
     return r
 
 
+def model_facts(spec) -> dict:
+    """What require_runnable reads of a model (its keyword arguments), from its spec."""
+    return {
+        "max_positions": spec.max_position_embeddings,
+        "model_type": spec.model_type,
+        "tied": spec.tie_word_embeddings,
+        "grouped_kv": spec.num_kv_heads < spec.num_heads,
+    }
+
+
 def require_runnable(
     cfg: C.RunConfig,
     dims: ParallelDims,

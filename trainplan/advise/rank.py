@@ -18,7 +18,7 @@ from trainplan.advise.search import (
     why,
 )
 from trainplan.plan.ledger import Ledger
-from trainplan.resolve import NotRunnable, require_runnable, resolve
+from trainplan.resolve import NotRunnable, model_facts, require_runnable, resolve
 from trainplan.spec.devices import DeviceSpec, GiB
 from trainplan.spec.model import ModelSpec
 from trainplan.spec.parallel import ParallelDims
@@ -79,15 +79,7 @@ def rung_blocker(cfg: C.RunConfig, r: Rung, spec: ModelSpec, devices: list[Devic
     strategy = r.strategy if r.dp > 1 else "single"
     dims = ParallelDims(world_size=r.dp * r.tp * r.pp, dp=r.dp, tp=r.tp, pp=r.pp, strategy=strategy)
     try:
-        require_runnable(
-            cfg,
-            dims,
-            max_positions=spec.max_position_embeddings,
-            cuda=all(d.is_gpu for d in devices),
-            model_type=spec.model_type,
-            tied=spec.tie_word_embeddings,
-            grouped_kv=spec.num_kv_heads < spec.num_heads,
-        )
+        require_runnable(cfg, dims, cuda=all(d.is_gpu for d in devices), **model_facts(spec))
     except NotRunnable as e:
         return e.what
     return ""

@@ -354,13 +354,10 @@ def runnable(r: Resolved) -> dict:
     """{"ok", "why"}: whether `trainplan train` runs this job as planned. A plan of a layout the engine
     does not run still prints (planning hardware you do not have is the point), and says so."""
     from trainplan.errors import NotRunnable
-    from trainplan.resolve import require_runnable
+    from trainplan.resolve import model_facts, require_runnable
 
-    spec, cuda = r.spec, all(d.is_gpu for d in r.devices)
-    where = {"max_positions": spec.max_position_embeddings, "model_type": spec.model_type}
-    where["grouped_kv"] = spec.num_kv_heads < spec.num_heads
     try:
-        require_runnable(r.cfg, r.dims, cuda=cuda, tied=spec.tie_word_embeddings, **where)
+        require_runnable(r.cfg, r.dims, cuda=all(d.is_gpu for d in r.devices), **model_facts(r.spec))
     except NotRunnable as e:
         return {"ok": False, "why": str(e), "field": e.field}
     return {"ok": True, "why": ""}

@@ -35,8 +35,7 @@ def load(name: str, tensor: torch.Tensor, where: dict) -> None:
         with P.untracked():
             return where[key].tensor(key)
 
-    for offset, view in _local_pieces(tensor).items():
-        box = tuple(slice(o, o + n) for o, n in zip(offset, view.shape, strict=True))
+    for box, view in local_pieces(tensor):
         if name.endswith(ROUTER):
             view.copy_(read(sources(name)[0])[box])
             continue
@@ -53,18 +52,20 @@ def load(name: str, tensor: torch.Tensor, where: dict) -> None:
                     view[j, a - rows.start : b - rows.start].copy_(part)
 
 
-def _local_pieces(tensor: torch.Tensor) -> dict[torch.Size, torch.Tensor]:
-    """This rank's pieces of `tensor` as {offset in the whole: the local view}: a plain tensor whole, an
+def local_pieces(tensor: torch.Tensor) -> list[tuple[tuple[slice, ...], torch.Tensor]]:
+    """This rank's pieces of `tensor` as (its box of the whole, the local view): a plain tensor whole, an
     FSDP2 or tp shard its box, a packed split one piece of each part."""
     from torch.distributed.tensor import DTensor
 
     from trainplan.features.tensor_parallel.engine import pieces
 
     if not isinstance(tensor, DTensor):
-        return {torch.Size([0] * tensor.ndim): tensor}
+        return [(tuple(slice(0, n) for n in tensor.shape), tensor)]
     if P.packed(tensor):
-        return pieces(tensor)
+        return [
+            (tuple(slice(o, o + n) for o, n in zip(at, v.shape, strict=True)), v) for at, v in pieces(tensor).items()
+        ]
     box = P.local_slice(tensor)
     if box is None:
         raise AssertionError(f"no box of the whole for {tensor.placements}")
-    return {torch.Size([s.start for s in box]): tensor.to_local()}
+    return [(box, tensor.to_local())]

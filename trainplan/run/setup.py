@@ -18,7 +18,7 @@ from trainplan import features
 from trainplan.errors import ConfigError
 from trainplan.features.torch_compile import engine as torch_compile
 from trainplan.files import DirLock, require_writable
-from trainplan.resolve import Resolved, require_runnable, resolve
+from trainplan.resolve import Resolved, model_facts, require_runnable, resolve
 from trainplan.run import data, dist, guard, measure, preflight, step, weights
 from trainplan.run.checkpoint.manager import checkpoint_root, refuse_foreign, refuse_unusable_resume
 from trainplan.run.progress import Progress
@@ -113,15 +113,7 @@ def prepare(
     r = resolve(cfg)
     cfg = r.cfg  # as resolved: LoRA target sets expanded to this architecture's module names
     env = env.for_layout(r.dims)  # the tp ranks of a replica share its data
-    require_runnable(
-        cfg,
-        r.dims,
-        max_positions=r.spec.max_position_embeddings,
-        cuda=env.device.type == "cuda",
-        model_type=r.spec.model_type,
-        tied=r.spec.tie_word_embeddings,
-        grouped_kv=r.spec.num_kv_heads < r.spec.num_heads,
-    )
+    require_runnable(cfg, r.dims, cuda=env.device.type == "cuda", **model_facts(r.spec))
     compute = r.precision.compute_dtype
     if env.device.type == "cpu" and compute != "fp32" and env.is_main and not cpu_native_16bit(compute):
         progress.line(

@@ -207,12 +207,14 @@ def _load_model(model: nn.Module, cfg: RunConfig, spec: ModelSpec, device: torch
     own = {k: v for k, v in base.state_dict().items() if "lora_" not in k}
     source_name = {k: k.replace(".base_layer", "") for k in own}
     where = _tensor_files(files)
-    per_expert = {k for k, src in source_name.items() if src not in where and experts.sources(src)}
+
+    def needs(src: str) -> list[str]:  # the file's tensors that make it: itself, or a mixture's per-expert ones
+        return [src] if src in where else experts.sources(src) or [src]
+
     missing = [
         k
         for k, src in source_name.items()
-        if (src not in where and k not in per_expert and not (spec.tie_word_embeddings and src == "lm_head.weight"))
-        or (k in per_expert and not all(s in where for s in experts.sources(src)))
+        if any(n not in where for n in needs(src)) and not (spec.tie_word_embeddings and src == "lm_head.weight")
     ]
     if missing:
         raise ConfigError(
@@ -228,7 +230,7 @@ def _load_model(model: nn.Module, cfg: RunConfig, spec: ModelSpec, device: torch
             src_name = source_name[name]
             if src_name in where:
                 _load_one(where[src_name], src_name, tensor)
-            elif name in per_expert:
+            elif experts.sources(src_name):
                 _load_experts(src_name, tensor, where)
     return qlora.quantize(model, device) if four_bit else model
 
@@ -321,11 +323,9 @@ def _load_one(handle: SafetensorsFile, name: str, tensor: torch.Tensor) -> None:
         src = handle.tensor(name)
         part = src[box] if box is not None else None  # an FSDP2 or tp shard: this rank's box of it
     if P.packed(tensor):  # a packed tp split: a box of each part, straight from the mapped bytes
-        from trainplan.features.tensor_parallel.engine import pieces
-
-        for offset, view in pieces(tensor).items():
+        for piece_box, view in experts.local_pieces(tensor):
             with P.untracked():
-                piece = src[tuple(slice(o, o + n) for o, n in zip(offset, view.shape, strict=True))]
+                piece = src[piece_box]
             view.copy_(piece)
         return
     if isinstance(tensor, DTensor):
