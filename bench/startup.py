@@ -38,7 +38,8 @@ TINY = {
     "tie_word_embeddings": True,
 }
 
-# the child: the CLI as a user runs it, stopped at the start of step 1
+# the child: the CLI as a user runs it (its process entry, as the `trainplan` script and `python -m
+# trainplan` call it), stopped at the start of step 1
 CHILD = """
 import os, sys, time
 from trainplan.run import step
@@ -47,8 +48,8 @@ def first_step(*args, **kwargs):
         f.write(repr(time.time()))
     os._exit(0)
 step.train_step = first_step
-from trainplan.cli import main
-sys.exit(main(sys.argv[1:]))
+from trainplan.cli import entry
+sys.exit(entry())
 """
 
 

@@ -1,5 +1,5 @@
 import sys
 
-from trainplan.cli import main
+from trainplan.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

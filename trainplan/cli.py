@@ -8,6 +8,7 @@ import importlib
 import logging
 import sys
 
+from trainplan import startup
 from trainplan.commands._common import Parser, error_text, prepare
 from trainplan.errors import EXIT_BAD_INPUT, EXIT_CODES_HELP, EXIT_INTERNAL, EXIT_STOPPED
 from trainplan.text import error_lines
@@ -29,6 +30,10 @@ COMMANDS: dict[str, str] = {
     "settings": "settings",
     "config": "settings",  # `trainplan config --show [CONFIG]`: the same listing, a file's values beside the defaults
 }
+
+# commands whose run releases the collector itself once its model is built (run/loop.py); every other
+# command's process collects as usual from the start of its run (trainplan/startup.py)
+HELD_THROUGH_START_UP = ("train", "accept")
 
 
 def command(name: str):
@@ -68,7 +73,18 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     # bitsandbytes' CPU backend warns when peft imports it, about an optional `kernels` package
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    if args.command not in HELD_THROUGH_START_UP:
+        startup.release()
     return leave_ranks(run_command(args))
+
+
+def entry() -> int:
+    """A trainplan process's own start (the `trainplan` script, `python -m trainplan`): main, with the
+    collector held through start-up (trainplan/startup.py). Tests call main in their own process."""
+    startup.hold()
+    code = main()
+    startup.leave()
+    return code
 
 
 def leave_ranks(code: int) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from trainplan import config as C
-from trainplan import features
+from trainplan import features, startup
 from trainplan.errors import TrainplanError
 from trainplan.features.activation_offload import engine as offload
 from trainplan.run import callbacks as cb
@@ -49,6 +49,7 @@ def run(
     try:
         with Interrupts() as interrupts:
             job = prepare(cfg, env, progress, bill)
+            startup.release()  # the model is built: collection resumes (held by a process's entry)
             progress.commit()  # past every refusal of the input: what was held back is shown
             trackers = Trackers.open(job.cfg, main=env.is_main)
             trainer = Trainer(job, progress=progress, trackers=trackers)
