@@ -9,6 +9,7 @@ from trainplan import resolve
 from trainplan.commands.train import execute
 from trainplan.errors import ConfigError
 from trainplan.run import build, data, step
+from trainplan.spec.model import default_gguf_path
 
 torch = pytest.importorskip("torch")
 
@@ -329,6 +330,10 @@ def test_qwen3_and_gemma3_train_and_measure_as_their_derived_plan(tmp_path, kind
     )
     record = execute(cfg, quiet=True)[0]
     assert record.contract["passed"], record.contract["detail"]
+    # random weights on the embedded tokenizer: the GGUF's tokenizer converted alone, its weights never
+    gguf = default_gguf_path()
+    assert [p.name for p in (tmp_path / "cache").glob("SmolLM2-*")] == [f"{gguf.stem}-{gguf.stat().st_size}-tokenizer"]
+    assert not list((tmp_path / "cache").rglob("model.safetensors"))
     if kind == "gpt_neox":
         assert record.config["lora"]["target_modules"] == ["query_key_value"]
     ledger = analytic.plan(C.load(None, [], {**_flat(record.config), "hardware.gpus": "cpu"}))

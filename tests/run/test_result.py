@@ -150,3 +150,5 @@ def test_the_gguf_conversion_is_a_stage_of_its_own_without_a_redrawn_bar(tmp_pat
     assert lines[-1].startswith("convert GGUF done in ") and lines[-1].endswith("s")
     assert "\r" not in capfd.readouterr().err  # pytest's stderr is no terminal
     assert (target / "model.safetensors").is_file()
+    # a random-init run's tokenizer: the whole conversion serves, where it is cached already
+    assert weights.gguf_tokenizer(default_gguf_path(), str(tmp_path / "cache")) == target
