@@ -29,6 +29,15 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: order.get(item.nodeid.split("::")[0], len(order)))  # stable: the rest as collected
 
 
+def pytest_collection_finish(session):
+    """What collection imported (torch, transformers: millions of objects that live as long as the
+    worker) leaves the garbage collector's sight, as a trainplan process's start-up does
+    (trainplan/startup.py): the tests' own collections walk only what the tests make."""
+    import gc
+
+    gc.freeze()
+
+
 # Process launches per test file (issue 47): every subprocess.Popen the suite makes, as torchrun (a
 # torch.distributed.run launcher and its ranks), trainplan (one `python -m trainplan` process) or other
 # (browsers, SLURM daemons, scripts). Printed in the terminal summary; xdist workers send theirs to the

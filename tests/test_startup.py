@@ -12,15 +12,15 @@ from trainplan.run import loop
 
 @pytest.fixture
 def held():
-    """startup.hold() as a process's entry calls it; afterwards this test process's collector is as
-    it was (gc.freeze moved every object of the pytest process to the permanent generation)."""
+    """startup.hold() as a process's entry calls it; the number of objects frozen before it (the suite
+    freezes what collection imported, tests/conftest.py); afterwards the collector runs again."""
     assert gc.isenabled() and not startup._held
+    before = gc.get_freeze_count()
     startup.hold()
     try:
-        yield
+        yield before
     finally:
         startup._held = False
-        gc.unfreeze()
         gc.enable()
 
 
@@ -45,7 +45,7 @@ def test_train_collects_nothing_until_its_model_is_built_then_freezes_what_start
     assert cli.main(["train", "--registry", "off", "-q", *sets]) == 0
     # held through the build; collecting from the first evaluation on
     assert seen[:2] == [("prepare", False), ("evaluate", True)]
-    assert gc.isenabled() and gc.get_freeze_count() > 0 and not startup._held
+    assert gc.isenabled() and gc.get_freeze_count() > held and not startup._held
 
 
 def test_every_other_command_collects_from_the_start_of_its_run(monkeypatch, held):
@@ -57,7 +57,7 @@ def test_every_other_command_collects_from_the_start_of_its_run(monkeypatch, hel
     run = plan.run
     monkeypatch.setattr(plan, "run", lambda args: seen.append(gc.isenabled()) or run(args))
     assert cli.main(["plan", "--model", "tiny-llama", "--gpus", "cpu", "--json"]) == 0
-    assert seen == [True] and gc.get_freeze_count() > 0
+    assert seen == [True] and gc.get_freeze_count() > held
 
 
 def test_main_in_a_test_process_leaves_the_collector_alone(capsys):
@@ -70,12 +70,12 @@ def test_the_process_entry_holds_the_collector_and_freezes_at_exit(monkeypatch):
     """`trainplan` and `python -m trainplan` start through cli.entry (pyproject's script, __main__)."""
     seen = []
     monkeypatch.setattr(cli, "main", lambda: seen.append(gc.isenabled()) or 0)
+    before = gc.get_freeze_count()
     try:
         assert cli.entry() == 0
-        assert seen == [False] and gc.get_freeze_count() > 0  # held in main; frozen for the exit
+        assert seen == [False] and gc.get_freeze_count() > before  # held in main; frozen for the exit
     finally:
         startup._held = False
-        gc.unfreeze()
         gc.enable()
     package = Path(cli.__file__).parent
     assert "entry()" in (package / "__main__.py").read_text()
