@@ -178,7 +178,16 @@ def test_accept_on_two_fsdp_ranks_measures_every_device(tiny_run, tmp_path):
     for place in mem["placement"]:  # each rank holds shards, not the whole model
         assert place["cpu"]["sharded"] == place["cpu"]["parameters"] > 0
     assert result["record"]["hardware"]["world_size"] == 2
-    assert next(c for c in result["checks"] if c["key"] == "resume")["evidence"]["checks"]["weights_hash"]
+    # its resume check is FSDP2's through DCP, bitwise (it covers test_distributed's full-zero3 case,
+    # which ran the same three launches again)
+    resume = next(c for c in result["checks"] if c["key"] == "resume")["evidence"]
+    assert resume["passed"] and resume["checks"]["weights_hash"] and resume["checks"]["optimizer_hash"]
+    assert resume["max_deviation"] == {"loss": 0.0, "grad_norm": 0.0, "lr": 0.0}
+    (ckpt,) = (tmp_path / "resume" / "checkpoints").iterdir()
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["format"] == "dcp" and manifest["world_size"] == 2
+    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata"} <= set(manifest["parts"])
+    assert "model.safetensors" not in manifest["parts"] and "optimizer.pt" not in manifest["parts"]
 
 
 @pytest.mark.parametrize(
