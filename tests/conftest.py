@@ -290,6 +290,34 @@ def torchrun():
     return torchrun_train
 
 
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """reference_run(sets, nproc=1): the record of an uninterrupted run of these settings, computed once
+    a session (a worker's, under xdist) and shared by every test and file that compares against the same
+    run (issue 47): in this process for one, under torchrun for more ranks (tests marked multiprocess).
+    The key is the whole config the settings load to (the output directory aside), so two orders of
+    the same settings share a run and nothing else does; each caller gets a copy of the record."""
+    import copy
+
+    done: dict[str, dict] = {}
+
+    def record(sets: list[str], nproc: int = 1) -> dict:
+        loaded = C.load(None, sets).to_dict()
+        loaded["train"].pop("output_dir")
+        key = json.dumps([nproc, loaded], sort_keys=True, default=str)
+        if key not in done:
+            out = tmp_path_factory.mktemp("reference")
+            if nproc == 1:
+                from trainplan.commands.train import execute
+
+                done[key] = execute(C.load(None, [*sets, f"train.output_dir={out}"]), quiet=True)[0].to_json()
+            else:
+                done[key] = torchrun_train(out, sets, nproc)
+        return copy.deepcopy(done[key])
+
+    return record
+
+
 def run_advised_entry(model_dir, sets: list[str], tmp_path, pick) -> dict:
     """Advisor parity: `advise` on `model_dir` over two CPU devices (full fine-tuning, seq 32, global
     batch 4), the first runnable row whose rung `pick` accepts written by the same function as --out,

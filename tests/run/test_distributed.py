@@ -32,22 +32,16 @@ def torchrun(tmp_path, base, *extra) -> dict:
     return json.loads((out / "record.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def single_full(tiny_run, tmp_path_factory):
+def pretrained(tiny_run, *extra) -> list[str]:
+    """The tiny model from its saved weights, 5 steps."""
     root, base = tiny_run
-    cfg = C.load(
-        None,
-        [
-            *base,
-            f"model.source={root / 'weights'}",
-            "model.init=auto",
-            "batch.micro_batch_size=4",
-            "train.steps=5",
-            f"train.output_dir={tmp_path_factory.mktemp('single')}",
-        ],
-    )
-    record = execute(cfg, quiet=True)[0].to_json()
-    return record
+    return [*base, f"model.source={root / 'weights'}", "model.init=auto", "train.steps=5", *extra]
+
+
+@pytest.fixture(scope="module")
+def single_full(tiny_run, reference_run):
+    """One process x micro-batch 4 (tests/run/test_tensor_parallel.py compares against the same run)."""
+    return reference_run(pretrained(tiny_run, "batch.micro_batch_size=4"))
 
 
 # The first five losses of the 2-rank recipes (FSDP2 among them) from the tiny model's saved weights, 2
@@ -57,18 +51,10 @@ GOLDEN_2_RANKS = [10.80850887298584, 10.786750793457031, 10.78770112991333, 10.7
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero3", "fsdp-grad-op"])
-def test_data_parallel_full_finetune_matches_one_process(tiny_run, tmp_path, single_full, strategy):
+def test_data_parallel_full_finetune_matches_one_process(tiny_run, single_full, reference_run, strategy):
     """2 ranks x micro-batch 2 see the same 4 sequences per step as 1 process x 4: same losses."""
-    root, base = tiny_run
-    record = torchrun(
-        tmp_path,
-        base,
-        f"model.source={root / 'weights'}",
-        "model.init=auto",
-        "batch.micro_batch_size=2",
-        "train.steps=5",
-        f"parallel.strategy={strategy}",
-    )
+    # shared with the optimizer offload test (zero3), through the session's reference runs
+    record = reference_run(pretrained(tiny_run, "batch.micro_batch_size=2", f"parallel.strategy={strategy}"), nproc=2)
     assert record["hardware"]["world_size"] == 2 and record["batch"]["global"] == 4
     ran = record["hardware"]["ran"]  # read back from the engine's objects, not the config
     assert (ran["strategy"], ran["world_size"], ran["trainable_dtypes"]) == (strategy, 2, ["float32"])
@@ -205,7 +191,7 @@ def test_a_hung_peer_ends_the_run_within_the_timeout(tiny_run, tmp_path):
     assert elapsed < 120, elapsed
 
 
-def test_optimizer_offload_runs_fsdp2_on_the_host_with_the_same_losses(tiny_run, tmp_path):
+def test_optimizer_offload_runs_fsdp2_on_the_host_with_the_same_losses(tiny_run, tmp_path, reference_run):
     """parallel.offload_optimizer through FSDP2's CPUOffloadPolicy: the parameter shards, their
     gradients and the optimizer step live in host memory. On the CPU the host is the device, so the
     run is the zero3 run, bitwise, and the plan says that nothing moves: its load, evaluate and save
@@ -214,9 +200,8 @@ def test_optimizer_offload_runs_fsdp2_on_the_host_with_the_same_losses(tiny_run,
     from trainplan.plan import analytic
     from trainplan.verify import checks
 
-    root, base = tiny_run
-    common = [*base, f"model.source={root / 'weights'}", "model.init=auto", "batch.micro_batch_size=2"]
-    plain = torchrun(tmp_path / "plain", common, "parallel.strategy=zero3")
+    common = pretrained(tiny_run, "batch.micro_batch_size=2")
+    plain = reference_run([*common, "parallel.strategy=zero3"], nproc=2)  # test_data_parallel_...[zero3]'s run
     offloaded = torchrun(
         tmp_path / "offload",
         common,

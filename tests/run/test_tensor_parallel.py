@@ -23,12 +23,10 @@ def pretrained(tiny_run, *extra) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def one_process(tiny_run, tmp_path_factory):
-    """The reference: one process, micro-batch 4 (the global batch of every layout below)."""
-    out = tmp_path_factory.mktemp("one")
-    return execute(
-        C.load(None, [*pretrained(tiny_run, "batch.micro_batch_size=4"), f"train.output_dir={out}"]), quiet=True
-    )[0].to_json()
+def one_process(tiny_run, reference_run):
+    """The reference: one process, micro-batch 4 (the global batch of every layout below; test_distributed's
+    data-parallel tests compare against the same run)."""
+    return reference_run(pretrained(tiny_run, "batch.micro_batch_size=4"))
 
 
 def test_tp2_reproduces_one_process_and_each_rank_meets_its_plan(tiny_run, tmp_path, one_process, torchrun):
