@@ -1,8 +1,8 @@
 """A trainplan process starts without the cyclic garbage collector.
 
-Start-up imports torch and transformers: millions of objects that live as long as the process. The
-collector walks them again and again while they are created (about 0.6 s of a 3.6 s start-up,
-bench/startup.py) and once more at interpreter exit (about 1 s). So the process's entry holds
+Start-up imports torch and transformers: about 370,000 objects the collector tracks, which live as long
+as the process. It walks them again and again while they are created (about 0.6 s of a 3.6 s start-up,
+docs/benchmarks.md) and once more at interpreter exit (about 1 s). So the process's entry holds
 collection until its start-up is done (the model built), then moves what start-up made out of the
 collector's sight (gc.freeze) and collects as usual; at exit it freezes again, so finalization does
 not walk the heap it is about to drop. Only the process's own entry does this: `cli.main`, called in

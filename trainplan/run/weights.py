@@ -58,18 +58,24 @@ def _gguf(cfg: RunConfig) -> Path | None:
     return Path(cfg.model.source) if cfg.model.source.endswith(".gguf") else None
 
 
+WHOLE = ("model.safetensors", "tokenizer.json")  # a GGUF's whole conversion holds these
+
+
+def _whole(gguf: Path, cache_dir: str) -> Path:
+    return Path(cache_dir).expanduser() / f"{gguf.stem}-{gguf.stat().st_size}"
+
+
 def gguf_cache(gguf: Path, cache_dir: str) -> Path:
     """Dequantize a GGUF file once into a safetensors model directory (written atomically)."""
-    target = Path(cache_dir).expanduser() / f"{gguf.stem}-{gguf.stat().st_size}"
-    return _converted(gguf, target, _dequantize, "safetensors", ("model.safetensors", "tokenizer.json"))
+    return _converted(gguf, _whole(gguf, cache_dir), _dequantize, "safetensors", WHOLE)
 
 
 def gguf_tokenizer(gguf: Path, cache_dir: str) -> Path:
     """The GGUF file's tokenizer alone, once, in a directory of its own (written atomically): a run that
     only tokenizes (a random-init model) need not dequantize the weights (about 5 s against 25 s for
     the embedded default). Where the whole model is converted already, its directory serves."""
-    whole = Path(cache_dir).expanduser() / f"{gguf.stem}-{gguf.stat().st_size}"
-    if (whole / "model.safetensors").is_file() and (whole / "tokenizer.json").is_file():
+    whole = _whole(gguf, cache_dir)
+    if all((whole / name).is_file() for name in WHOLE):
         return whole
     return _converted(
         gguf, whole.with_name(whole.name + "-tokenizer"), _tokenizer_only, "a tokenizer", ("tokenizer.json",)
