@@ -52,7 +52,7 @@ def parse(log: str) -> dict:
         raise ValueError("no pytest closing line ('N passed ... in S s') in the log: did the run finish?")
     counts, seconds = closing[-1]
     tally = {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", counts)}
-    slowest = re.findall(r"^([\d.]+)s (call|setup|teardown)\s+(\S+)", log, re.M)
+    slowest = re.findall(r"^([\d.]+)s (call|setup|teardown)\s+(\S.*?)\s*$", log, re.M)  # an id may hold spaces
     launches = re.search(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+in all: (\d+) launches", log, re.M)
     return {
         "tally": tally,
