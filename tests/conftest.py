@@ -270,6 +270,13 @@ def screenshot(tmp_path):
     return shoot
 
 
+def pretrained(tiny_run, *extra) -> list[str]:
+    """The tiny model from its saved weights (tiny_run's), 5 steps: the settings the data- and
+    tensor-parallel tests and their shared one-process reference run."""
+    root, base = tiny_run
+    return [*base, f"model.source={root / 'weights'}", "model.init=auto", "train.steps=5", *extra]
+
+
 def torchrun_train(out, sets: list[str], nproc: int = 2) -> dict:
     """`torchrun --standalone --nproc_per_node N -m trainplan train --set ...` into `out`; its run record."""
     import subprocess

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import pretrained
 
 from trainplan import config as C
 from trainplan.commands.train import execute
@@ -30,12 +31,6 @@ def torchrun(tmp_path, base, *extra) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads((out / "record.json").read_text())
-
-
-def pretrained(tiny_run, *extra) -> list[str]:
-    """The tiny model from its saved weights, 5 steps."""
-    root, base = tiny_run
-    return [*base, f"model.source={root / 'weights'}", "model.init=auto", "train.steps=5", *extra]
 
 
 @pytest.fixture(scope="module")

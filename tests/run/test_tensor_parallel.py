@@ -6,7 +6,7 @@ DCP), and a tp checkpoint loads on one process with the same weights."""
 import json
 
 import pytest
-from conftest import run_advised_entry
+from conftest import pretrained, run_advised_entry
 
 from trainplan import config as C
 from trainplan.commands.train import execute
@@ -15,11 +15,6 @@ from trainplan.run.record import RunRecord
 from trainplan.verify import checks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-
-
-def pretrained(tiny_run, *extra) -> list[str]:
-    root, base = tiny_run
-    return [*base, f"model.source={root / 'weights'}", "model.init=auto", "train.steps=5", *extra]
 
 
 @pytest.fixture(scope="module")
