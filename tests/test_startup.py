@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from trainplan import cli, startup
+from trainplan.commands import _common as common
 from trainplan.run import loop
 
 
@@ -88,3 +89,46 @@ def test_the_process_entry_holds_the_collector_and_freezes_at_exit(monkeypatch, 
     package = Path(cli.__file__).parent
     assert "entry()" in (package / "__main__.py").read_text()
     assert 'trainplan = "trainplan.cli:entry"' in (package.parent / "pyproject.toml").read_text()
+
+
+QUIETED = """
+import argparse, sys
+from trainplan.commands import _common
+_common.setup_logging(argparse.Namespace(verbose=False, quiet=False))
+loaded = [m for m in ("transformers", "huggingface_hub", "torch") if m in sys.modules]
+from transformers.utils import logging
+from huggingface_hub import utils
+print(loaded, logging.get_verbosity() == logging.ERROR, logging.is_progress_bar_enabled(),
+      utils.are_progress_bars_disabled())
+"""
+
+
+@pytest.mark.multiprocess
+def test_quieting_the_libraries_imports_none_of_them_and_quiets_them_once_imported():
+    """setup_logging's quiet_libraries (train, accept, verify-resume) imports neither transformers nor
+    torch: verify-resume's parent, which loads no model, pays nothing for them; each, imported later,
+    reads the quiet settings (ERROR, no progress bars)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in common.QUIET_ENVIRONMENT}
+    r = subprocess.run([sys.executable, "-c", QUIETED], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["[]", "True", "False", "True"]
+
+
+def test_quieting_a_process_that_imported_transformers_already_uses_its_switches(monkeypatch):
+    from transformers.utils import logging
+
+    for name in common.QUIET_ENVIRONMENT:  # restored after the test, as quiet_libraries sets them
+        monkeypatch.delenv(name, raising=False)
+    before = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_warning()
+    logging.enable_progress_bar()
+    try:
+        common.quiet_libraries()
+        assert logging.get_verbosity() == logging.ERROR and not logging.is_progress_bar_enabled()
+    finally:
+        logging.set_verbosity(before[0])
+        (logging.enable_progress_bar if before[1] else logging.disable_progress_bar)()

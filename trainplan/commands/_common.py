@@ -272,13 +272,24 @@ def setup_logging(args: argparse.Namespace) -> None:
         quiet_libraries()
 
 
+# what transformers and huggingface_hub read as they are imported: their logging at ERROR, no progress bars
+QUIET_ENVIRONMENT = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
 def quiet_libraries() -> None:
+    """transformers' and huggingface_hub's logging and progress bars off, without importing them (issue 47:
+    a command that never loads a model, verify-resume's parent, pays nothing): each reads these variables
+    as it is imported, and a process's ranks and runs inherit them. Where one is imported already (a test's
+    process, a second command in one process), its own switches."""
     import warnings
 
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
+    os.environ.update(QUIET_ENVIRONMENT)
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "transformers" in sys.modules:
+        transformers = sys.modules["transformers"]
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
 
