@@ -7,7 +7,7 @@ Without --from-log it runs `make test-fast`, then `make test` (about 17 minutes 
 by wall clock with its output kept under /tmp. --from-log reads the output of runs made elsewhere (a
 fresh clone's `CI=true bash .ci/run`, which calls `make test`), with --wall giving the wall time of a
 run the script did not time. From each run it reads pytest's closing line (tests, seconds), the 15
-slowest durations and the process launches per file (tests/conftest.py), and prints a Markdown block
+slowest durations, the process launches and the tests' CPU-seconds (tests/conftest.py), and prints a Markdown block
 with the machine's description (CPU model, cores, memory, load before the run). --write puts that block
 into docs/benchmarks.md (between the suite-times markers) and the two times into README's Development
 commands.
@@ -53,14 +53,18 @@ def parse(log: str) -> dict:
     counts, seconds = closing[-1]
     tally = {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", counts)}
     slowest = re.findall(r"^([\d.]+)s (call|setup|teardown)\s+(\S.*?)\s*$", log, re.M)  # an id may hold spaces
-    launches = re.search(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+in all: (\d+) launches", log, re.M)
+    # the totals line: launches by kind, then (since the CPU-seconds column) the suite's CPU-seconds
+    launches = re.search(r"^\s*(\d+)\s+(\d+)\s+(\d+)(?:\s+(\d+))?\s+in all: (\d+) launches", log, re.M)
+    counts = None
+    if launches:
+        torchrun, trainplan, other, cpu, total = launches.groups()
+        counts = {"torchrun": int(torchrun), "trainplan": int(trainplan), "other": int(other), "all": int(total)}
+        counts["cpu_s"] = int(cpu) if cpu is not None else None
     return {
         "tally": tally,
         "seconds": float(seconds),
         "slowest": [(float(s), phase, node) for s, phase, node in slowest][:15],
-        "launches": dict(zip(("torchrun", "trainplan", "other", "all"), map(int, launches.groups()), strict=True))
-        if launches
-        else None,
+        "launches": counts,
     }
 
 
@@ -78,15 +82,19 @@ def run(target: str) -> tuple[str, float, float]:
 
 def block(results: dict, where: str) -> str:
     lines = [BEGIN, "", f"Measured {time.strftime('%Y-%m-%d')} on {where}:", ""]
-    lines += ["| command | tests (passed / skipped) | pytest time | wall | launches (torchrun / trainplan / other) |"]
-    lines += ["|---|---:|---:|---:|---|"]
+    lines += [
+        "| command | tests (passed / skipped) | pytest time | wall | launches (torchrun / trainplan / other) "
+        "| CPU-seconds of the tests |"
+    ]
+    lines += ["|---|---:|---:|---:|---|---:|"]
     for target, r in results.items():
         t, launches = r["tally"], r["launches"]
         shown = f"{launches['torchrun']} / {launches['trainplan']} / {launches['other']}" if launches else "not counted"
+        cpu = f"{launches['cpu_s']:,}" if launches and launches.get("cpu_s") is not None else "not counted"
         wall = f"{r['wall']:,.0f} s" if r.get("wall") else "-"
         lines.append(
             f"| `{TARGETS[target]}` | {t.get('passed', 0):,} / {t.get('skipped', 0)} | {r['seconds']:,.0f} s "
-            f"({r['seconds'] / 60:.1f} min) | {wall} | {shown} |"
+            f"({r['seconds'] / 60:.1f} min) | {wall} | {shown} | {cpu} |"
         )
     if "test" in results:
         lines += ["", "The 15 slowest tests of `make test`:", ""]

@@ -40,9 +40,13 @@ def pytest_collection_finish(session):
 
 # Process launches per test file (issue 47): every subprocess.Popen the suite makes, as torchrun (a
 # torch.distributed.run launcher and its ranks), trainplan (one `python -m trainplan` process) or other
-# (browsers, SLURM daemons, scripts). Printed in the terminal summary; xdist workers send theirs to the
-# controller (workeroutput), which prints the whole suite's.
-LAUNCHES: dict[str, dict[str, int]] = {}
+# (browsers, SLURM daemons, scripts), and the CPU-seconds each file's tests spend: the worker's own and
+# its children's (getrusage: a child counts once waited for, a torchrun launcher with the ranks it
+# waited for; a process orphaned by a SIGKILL of its parent is not counted). On two cores the suite's
+# time is its CPU-seconds over two at best. Printed in the terminal summary; xdist workers send theirs to
+# the controller (workeroutput), which prints the whole suite's.
+LAUNCHES: dict[str, dict[str, float]] = {}
+KINDS = ("torchrun", "trainplan", "other", "cpu_s")
 _CURRENT_FILE = ["(outside any test: xdist workers, collection)"]
 
 
@@ -63,17 +67,31 @@ def pytest_configure(config):
 
     def counted(self, args, *rest, **kwargs):
         original(self, args, *rest, **kwargs)  # counted once started: a refused launch is none
-        per_file = LAUNCHES.setdefault(_CURRENT_FILE[0], {"torchrun": 0, "trainplan": 0, "other": 0})
-        per_file[_launch_kind(args)] += 1
+        _file_counts(_CURRENT_FILE[0])[_launch_kind(args)] += 1
 
     subprocess.Popen.__init__ = counted
     config._launch_counter = (subprocess.Popen, original)
 
 
+def _file_counts(path: str) -> dict[str, float]:
+    return LAUNCHES.setdefault(path, dict.fromkeys(KINDS, 0))
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     _CURRENT_FILE[0] = item.nodeid.split("::")[0]
-    return (yield)
+    start = _cpu_seconds()
+    try:
+        return (yield)
+    finally:
+        _file_counts(_CURRENT_FILE[0])["cpu_s"] += _cpu_seconds() - start
 
 
 def pytest_sessionfinish(session):
@@ -83,7 +101,7 @@ def pytest_sessionfinish(session):
 
 def pytest_testnodedown(node, error):  # xdist's controller, as each worker finishes
     for path, kinds in json.loads(getattr(node, "workeroutput", {}).get("launches", "{}")).items():
-        mine = LAUNCHES.setdefault(path, {"torchrun": 0, "trainplan": 0, "other": 0})
+        mine = _file_counts(path)
         for kind, n in kinds.items():
             mine[kind] += n
 
@@ -91,13 +109,18 @@ def pytest_testnodedown(node, error):  # xdist's controller, as each worker fini
 def pytest_terminal_summary(terminalreporter):
     if hasattr(terminalreporter.config, "workeroutput") or not LAUNCHES:
         return
-    rows = sorted(LAUNCHES.items(), key=lambda kv: -sum(kv[1].values()))
-    total = {k: sum(v[k] for v in LAUNCHES.values()) for k in ("torchrun", "trainplan", "other")}
-    terminalreporter.section("process launches per file (torchrun / trainplan / other)")
-    for path, kinds in rows:
-        terminalreporter.write_line(f"{kinds['torchrun']:4d} {kinds['trainplan']:4d} {kinds['other']:4d}  {path}")
+    rows = sorted(LAUNCHES.items(), key=lambda kv: -kv[1]["cpu_s"])
+    total = {k: sum(v[k] for v in LAUNCHES.values()) for k in KINDS}
+    terminalreporter.section("process launches and CPU-seconds per file (torchrun / trainplan / other / CPU s)")
+    for path, n in rows:
+        if sum(n[k] for k in KINDS[:3]) or n["cpu_s"] >= 5:
+            line = f"{n['torchrun']:4.0f} {n['trainplan']:4.0f} {n['other']:4.0f} {n['cpu_s']:7.0f}  {path}"
+            terminalreporter.write_line(line)
+    launches = sum(total[k] for k in KINDS[:3])
     terminalreporter.write_line(
-        f"{total['torchrun']:4d} {total['trainplan']:4d} {total['other']:4d}  in all: {sum(total.values())} launches"
+        f"{total['torchrun']:4.0f} {total['trainplan']:4.0f} {total['other']:4.0f} {total['cpu_s']:7.0f}  "
+        f"in all: {launches:.0f} launches, {total['cpu_s']:.0f} CPU-seconds (the files under 5 CPU-s without a "
+        "launch not listed)"
     )
 
 
