@@ -2,6 +2,7 @@
 the measured start-up is bench/startup.py's; these tests hold where the hold begins and ends."""
 
 import gc
+import os
 from pathlib import Path
 
 import pytest
@@ -108,7 +109,6 @@ def test_quieting_the_libraries_imports_none_of_them_and_quiets_them_once_import
     """setup_logging's quiet_libraries (train, accept, verify-resume) imports neither transformers nor
     torch: verify-resume's parent, which loads no model, pays nothing for them; each, imported later,
     reads the quiet settings (ERROR, no progress bars)."""
-    import os
     import subprocess
     import sys
 
@@ -129,6 +129,7 @@ def test_quieting_a_process_that_imported_transformers_already_uses_its_switches
     try:
         common.quiet_libraries()
         assert logging.get_verbosity() == logging.ERROR and not logging.is_progress_bar_enabled()
+        assert not any(name in os.environ for name in common.QUIET_ENVIRONMENT)  # nothing for the children
     finally:
         logging.set_verbosity(before[0])
         (logging.enable_progress_bar if before[1] else logging.disable_progress_bar)()

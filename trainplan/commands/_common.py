@@ -278,18 +278,20 @@ QUIET_ENVIRONMENT = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS
 
 def quiet_libraries() -> None:
     """transformers' and huggingface_hub's logging and progress bars off, without importing them (issue 47:
-    a command that never loads a model, verify-resume's parent, pays nothing): each reads these variables
-    as it is imported, and a process's ranks and runs inherit them. Where one is imported already (a test's
-    process, a second command in one process), its own switches."""
+    a command that never loads a model, verify-resume's parent, pays nothing): not yet imported, each
+    reads these variables as it is imported (and the processes this one starts inherit them); imported
+    already (a test's process, a second command in one process), their own switches, the environment
+    left alone."""
     import warnings
 
-    os.environ.update(QUIET_ENVIRONMENT)
-    if "huggingface_hub" in sys.modules:
-        sys.modules["huggingface_hub"].utils.disable_progress_bars()
     if "transformers" in sys.modules:
         transformers = sys.modules["transformers"]
         transformers.logging.set_verbosity_error()
-        transformers.logging.disable_progress_bar()
+        transformers.logging.disable_progress_bar()  # huggingface_hub's bars too
+    else:
+        os.environ.update(QUIET_ENVIRONMENT)
+        if "huggingface_hub" in sys.modules:
+            sys.modules["huggingface_hub"].utils.disable_progress_bars()
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
 
