@@ -25,6 +25,8 @@ def torchrun(tmp_path, base, *extra) -> dict:
         "-m",
         "trainplan",
         "train",
+        "--registry",
+        "off",
     ]
     for item in [*base, f"train.output_dir={out}", *extra]:
         cmd += ["--set", item]

@@ -173,7 +173,8 @@ def test_train_bad_input_is_one_line_and_writes_nothing(tiny_run, tmp_path, args
     defaults = [] if "--model" in args else ["--model", str(root / "config.json")]
     out = tmp_path / "out"
     r = subprocess.run(
-        [sys.executable, "-m", "trainplan", "train", *sets, *defaults, *args, "--output-dir", str(out)],
+        [sys.executable, "-m", "trainplan", "train", "--registry", "off", *sets, *defaults, *args]
+        + ["--output-dir", str(out)],
         capture_output=True,
         text=True,
     )

@@ -34,7 +34,7 @@ def _cmd(tiny_run, nproc, out, steps, *extra):
     if nproc > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
         launcher += ["-m", "trainplan"]
-    args = [*launcher, "train"]
+    args = [*launcher, "train", "--registry", "off"]
     settings = [*base, f"model.source={root / 'weights'}", "model.init=auto", "mode=full"]
     for item in [*settings, f"train.steps={steps}", "train.eval_batches=1", f"train.output_dir={out}", *extra]:
         args += ["--set", item]

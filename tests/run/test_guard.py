@@ -54,7 +54,7 @@ def test_injected_nan_on_two_ranks(tiny_run, tmp_path, strategy):
 
     def torchrun(out, *extra):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-        cmd += ["-m", "trainplan", "train"]
+        cmd += ["-m", "trainplan", "train", "--registry", "off"]
         items = [*base, "batch.micro_batch_size=2", f"parallel.strategy={strategy}", "train.measure_memory=false"]
         for item in [*items, "train.eval_batches=1", f"train.output_dir={out}", *extra]:
             cmd += ["--set", item]

@@ -214,7 +214,7 @@ def test_train_cli_refuses_qlora_on_the_cpu_in_one_line(tiny_source, tmp_path):
     out = tmp_path / "out"
     r = subprocess.run(
         [sys.executable, "-m", "trainplan", "train", "--model", str(tiny_source), "--data", str(data)]
-        + ["--mode", "qlora", "--output-dir", str(out)],
+        + ["--mode", "qlora", "--output-dir", str(out), "--registry", "off"],
         capture_output=True,
         text=True,
     )

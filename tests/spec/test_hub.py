@@ -72,7 +72,7 @@ def test_a_hub_cache_id_plans_and_trains(tiny_run, tmp_path):
     records = {}
     for source in (REPO, str(snapshot)):  # by Hub id, and the same files by their path
         out = tmp_path / f"run{len(records)}"
-        args = [*cli, "train", "--model", source, "--output-dir", str(out)]
+        args = [*cli, "train", "--model", source, "--output-dir", str(out), "--registry", "off"]
         for s in [*settings, "train.steps=1", "checkpoint.every=0", "train.measure_memory=false"]:
             args += ["--set", s]
         train = subprocess.run(args, env=env, capture_output=True, text=True)
