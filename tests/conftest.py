@@ -30,8 +30,8 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_collection_finish(session):
-    """What collection imported (torch, transformers: millions of objects that live as long as the
-    worker) leaves the garbage collector's sight, as a trainplan process's start-up does
+    """What collection imported (torch, transformers: hundreds of thousands of objects that live as long
+    as the worker) leaves the garbage collector's sight, as a trainplan process's start-up does
     (trainplan/startup.py): the tests' own collections walk only what the tests make."""
     import gc
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import pretrained
+from conftest import pretrained, torchrun_train
 
 from trainplan import config as C
 from trainplan.commands.train import execute
@@ -14,25 +14,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 def torchrun(tmp_path, base, *extra) -> dict:
-    out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "trainplan",
-        "train",
-        "--registry",
-        "off",
-    ]
-    for item in [*base, f"train.output_dir={out}", *extra]:
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads((out / "record.json").read_text())
+    """2 ranks of `trainplan train` into tmp_path/out (conftest's torchrun_train); the run record."""
+    return torchrun_train(tmp_path / "out", [*base, *extra])
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,9 @@
 import functools
 import json
 import math
-import subprocess
-import sys
 
 import pytest
+from conftest import torchrun_train
 
 from trainplan import cli
 from trainplan import config as C
@@ -53,14 +52,8 @@ def test_injected_nan_on_two_ranks(tiny_run, tmp_path, strategy):
     root, base = tiny_run
 
     def torchrun(out, *extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-        cmd += ["-m", "trainplan", "train", "--registry", "off"]
         items = [*base, "batch.micro_batch_size=2", f"parallel.strategy={strategy}", "train.measure_memory=false"]
-        for item in [*items, "train.eval_batches=1", f"train.output_dir={out}", *extra]:
-            cmd += ["--set", item]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads((out / "record.json").read_text())
+        return torchrun_train(out, [*items, "train.eval_batches=1", *extra])
 
     ref = torchrun(tmp_path / "ref", "train.steps=2")
     # a NaN loss at step 3, a NaN gradient at step 4, in one run: each caught at its own step

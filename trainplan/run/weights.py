@@ -75,7 +75,7 @@ def gguf_tokenizer(gguf: Path, cache_dir: str) -> Path:
     only tokenizes (a random-init model) need not dequantize the weights (about 5 s against 25 s for
     the embedded default). Where the whole model is converted already, its directory serves."""
     whole = _whole(gguf, cache_dir)
-    if all((whole / name).is_file() for name in WHOLE):
+    if _holds(whole, WHOLE):
         return whole
     return _converted(
         gguf, whole.with_name(whole.name + "-tokenizer"), _tokenizer_only, "a tokenizer", ("tokenizer.json",)
@@ -85,11 +85,7 @@ def gguf_tokenizer(gguf: Path, cache_dir: str) -> Path:
 def _converted(gguf: Path, target: Path, convert, what: str, needs: tuple[str, ...]) -> Path:
     """`target`, converted from `gguf` by `convert(gguf, out)` unless it holds the files `needs` already;
     published by one rename, so concurrent converters (torchrun ranks, test workers) keep one copy."""
-
-    def complete() -> bool:
-        return all((target / name).is_file() for name in needs)
-
-    if complete():
+    if _holds(target, needs):
         return target
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -99,16 +95,20 @@ def _converted(gguf: Path, target: Path, convert, what: str, needs: tuple[str, .
     with _torch_private.no_gguf_bars() if piped else contextlib.nullcontext():
         convert(gguf, tmp)
     target.parent.mkdir(parents=True, exist_ok=True)
-    if not complete():  # else another process (a torchrun rank, a test worker) finished first: keep its copy
+    if not _holds(target, needs):  # else another process (a torchrun rank, a test worker) finished first: keep its copy
         shutil.rmtree(target, ignore_errors=True)  # a partial leftover
         try:
             os.replace(tmp, target)
         except OSError:  # ENOTEMPTY: another process published between the check and the rename
-            if not complete():
+            if not _holds(target, needs):
                 raise
     shutil.rmtree(tmp, ignore_errors=True)
     LOG.info("convert GGUF done in %.1fs", time.perf_counter() - t0)
     return target
+
+
+def _holds(directory: Path, names: tuple[str, ...]) -> bool:
+    return all((directory / name).is_file() for name in names)
 
 
 def _dequantize(gguf: Path, out: Path) -> None:
