@@ -112,7 +112,7 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
             parse_size(getattr(cfg.hardware, name), f"hardware.{name}")
     spec.attention(cfg.memory.attention)  # refuses sdpa where transformers has none
     dims = build_parallel_dims(cfg.parallel, len(devices), spec)
-    batch = resolve_batch(cfg.batch, dims.dp)
+    batch = resolve_batch(cfg.batch, dims.data_dp)
     r = Resolved(cfg=cfg, spec=spec, precision=prec, devices=devices, dims=dims, batch=batch)
     features.refuse(r)
     return r

@@ -260,7 +260,7 @@ class _Planner:
             else:
                 r = self.resolved(rung, 1)
                 cfg = _changed(r.cfg, batch=_changed(r.cfg.batch, micro_batch_size=micro_batch))
-                self._resolved[key] = _changed(r, cfg=cfg, batch=resolve_batch(cfg.batch, r.dims.dp))
+                self._resolved[key] = _changed(r, cfg=cfg, batch=resolve_batch(cfg.batch, r.dims.data_dp))
         return self._resolved[key]
 
     def __call__(self, rung: Rung, micro_batch: int) -> Ledger:

@@ -53,6 +53,7 @@ CONFIG_FLAGS: tuple[tuple[str, str, dict], ...] = (
     ("--strategy", "parallel.strategy", {"help": "ddp | zero1 | zero2 | zero3 (fsdp) | fsdp-grad-op"}),
     ("--tp", "parallel.tp", {"type": int, "help": "tensor-parallel degree"}),
     ("--pp", "parallel.pp", {"type": int, "help": "pipeline-parallel degree (1F1B)"}),
+    ("--cp", "parallel.cp", {"type": int, "help": "context-parallel degree (Ulysses: the sequence split over ranks)"}),
     ("--optimizer", "optim.name", {"help": "adamw | adamw-8bit | sgd | sgd-momentum | adafactor"}),
     ("--attention", "memory.attention", {"help": "auto | sdpa | eager"}),
     ("--lora-r", "lora.r", {"type": int, "help": "LoRA rank"}),

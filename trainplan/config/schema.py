@@ -386,6 +386,9 @@ class ParallelConfig:
     strategy: str = "ddp"  # how data-parallel replicas share state; irrelevant at dp=1
     tp: int = 1  # tensor-parallel degree (train runs it alone and 2-D under FSDP2)
     pp: int = 1  # pipeline-parallel degree (train runs it alone: every rank a stage)
+    # context-parallel degree: each rank holds 1/cp of every sequence, and attention takes the whole sequence
+    # for 1/cp of the heads (DeepSpeed-Ulysses' all-to-all); alone or under FSDP2 over the dp x cp ranks
+    cp: int = 1
     # parameter shards, gradients and the optimizer step in host memory (FSDP2 CPUOffloadPolicy; planned as
     # ZeRO-Offload for ddp / zero1 / zero2, which train refuses)
     offload_optimizer: bool = False
@@ -400,6 +403,7 @@ class ParallelConfig:
             self.strategy = "zero3"
         _positive_int("parallel", "tp", self.tp)
         _positive_int("parallel", "pp", self.pp)
+        _positive_int("parallel", "cp", self.cp)
 
 
 @dataclass(kw_only=True)

@@ -27,6 +27,7 @@ from trainplan.errors import TrainplanError
 from trainplan.features import (
     activation_offload,
     checkpointing,
+    context_parallel,
     lora,
     optim8bit,
     optimizer_offload,
@@ -49,6 +50,7 @@ FEATURES = (
     pipeline_parallel,
     sharding,
     tensor_parallel,
+    context_parallel,
     optim8bit,
     optimizer_offload,
     qlora,

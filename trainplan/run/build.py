@@ -13,12 +13,13 @@ from trainplan.config import RunConfig
 from trainplan.errors import TrainplanError
 from trainplan.features.activation_offload import engine as activation_offload
 from trainplan.features.checkpointing import engine as checkpointing
+from trainplan.features.context_parallel import engine as context_parallel
 from trainplan.features.lora import engine as lora
 from trainplan.features.pipeline_parallel import engine as pipeline_parallel
 from trainplan.features.qlora import engine as qlora
 from trainplan.features.sharding import engine as sharding
 from trainplan.features.tensor_parallel import engine as tensor_parallel
-from trainplan.run import loss
+from trainplan.run import attention, loss, sources
 from trainplan.run.converter import Build, dtypes
 from trainplan.spec.layout import causal_lm_type
 from trainplan.spec.model import ModelSpec, fused_loss_applies
@@ -34,9 +35,27 @@ def hf_config(spec: ModelSpec, cfg: RunConfig):
         raise TrainplanError(f"model.source: {spec.name} carries no transformers config to build from")
     causal_lm_type(spec.config["model_type"])
     hf = transformers.CONFIG_MAPPING[spec.config["model_type"]](**spec.config)
-    hf._attn_implementation = spec.attention(cfg.memory.attention)
+    hf._attn_implementation = attention_implementation(spec, cfg)
     hf.use_cache = cfg.mode == "inference"
     return hf
+
+
+def attention_implementation(spec: ModelSpec, cfg: RunConfig) -> str:
+    """What transformers' attention layers run: the requested kernel (spec.attention), except that training on
+    packed documents runs SDPA one document at a time with no mask (run/attention.py), as do the ranks of a
+    context-parallel job, whose attention takes the whole sequence from its peers."""
+    impl = spec.attention(cfg.memory.attention)
+    documents = sources.packing(cfg.data)[0] == "document"
+    if impl == "sdpa" and cfg.mode != "inference" and (documents or features.context_parallel.on(cfg)):
+        attention.register()
+        return attention.IMPLEMENTATION
+    return impl
+
+
+def _attention(model: nn.Module, b: Build) -> nn.Module:
+    if attention.uses(model.config):
+        attention.install(model)
+    return model
 
 
 def buffers_to(model: nn.Module, device: torch.device | str) -> nn.Module:
@@ -70,6 +89,8 @@ CONVERTERS = (
     ("checkpointing", checkpointing.apply),
     ("activation offload", activation_offload.apply),
     ("train mode", _train_mode),
+    ("attention (packed documents without a mask)", _attention),
+    ("context parallel (the sequence split)", context_parallel.apply),
     ("pipeline stage (the pp cut)", pipeline_parallel.apply),
     ("tensor parallel (the tp split)", tensor_parallel.apply),
     ("sharding (FSDP2, optimizer offload)", sharding.apply),

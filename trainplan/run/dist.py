@@ -37,11 +37,12 @@ class DistEnv:
         """The same process with the layout's data-parallel degree and this rank's replica."""
         import dataclasses
 
-        return dataclasses.replace(self, dp=dims.dp, dp_rank=dims.coords(self.rank)[1])
+        # the cp ranks of a replica share its batches: they are one data-parallel rank
+        return dataclasses.replace(self, dp=dims.data_dp, dp_rank=dims.coords(self.rank)[1] // dims.cp)
 
     @property
     def replicas(self) -> int:
-        """How many ranks hold each data-parallel replica's copy of a value (the tp ranks)."""
+        """How many ranks hold each data-parallel replica's copy of a value (its tp or cp ranks)."""
         return self.world // self.dp
 
     def data_sum(self, t: torch.Tensor) -> torch.Tensor:

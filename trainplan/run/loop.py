@@ -154,7 +154,7 @@ class Trainer:
             prec=job.resolved.precision,
             device_type=job.env.device.type,
             max_grad_norm=job.cfg.train.max_grad_norm,
-            grad_scale=float(job.env.dp),
+            grad_scale=float(job.resolved.dims.dp),  # the ranks gradients are averaged over (cp's too)
         )
         self.record.hardware["ran"] = self._as_run(None)
 

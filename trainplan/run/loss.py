@@ -88,13 +88,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, num_items, chunk_tokens: int
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, num_items, chunk_tokens: int, *, shifted=False
 ) -> torch.Tensor:
-    """Mean token loss of `hidden @ weight.T` against `labels` shifted by one, as transformers'
-    ForCausalLMLoss computes it: sum over target tokens / num_items (or / their count)."""
-    targets = torch.full_like(labels, IGNORE_INDEX)  # (batch, seq)
-    targets[..., :-1] = labels[..., 1:]
-    targets = targets.reshape(-1)
+    """Mean token loss of `hidden @ weight.T` against `labels` shifted by one (unless `shifted`: each position's
+    target already), as transformers' ForCausalLMLoss computes it: sum over target tokens / num_items (or / their
+    count)."""
+    if shifted:
+        targets = labels.reshape(-1)
+    else:
+        targets = torch.full_like(labels, IGNORE_INDEX)  # (batch, seq)
+        targets[..., :-1] = labels[..., 1:]
+        targets = targets.reshape(-1)
     denom = num_items if num_items is not None else (targets != IGNORE_INDEX).sum()
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
@@ -146,8 +150,8 @@ class FusedLossHead(nn.Linear):
             return chunked_eval_sums(hidden, self.weight, self._eval_labels, self.chunk_tokens)
         if self._pending is None:  # generation: ordinary logits
             return super().forward(hidden)
-        labels, num_items = self._pending
-        return chunked_cross_entropy(hidden, self.weight, labels, num_items, self.chunk_tokens)
+        labels, num_items, *shifted = self._pending  # shifted: labels already each position's target (cp's cut)
+        return chunked_cross_entropy(hidden, self.weight, labels, num_items, self.chunk_tokens, shifted=bool(shifted))
 
     @contextlib.contextmanager
     def eval_targets(self, labels: torch.Tensor):

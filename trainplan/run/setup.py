@@ -206,7 +206,7 @@ def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, l
             r.spec,
             r.precision,
             env.device,
-            dims=r.dims if mesh or staged else None,
+            dims=r.dims if mesh or staged or features.context_parallel.active(r) else None,
             mesh=mesh,
             stage=r.dims.coords(env.rank)[0],
         )

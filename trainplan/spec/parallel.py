@@ -1,6 +1,9 @@
 """Parallel degrees and batch arithmetic, validated once and shared by plan and run.
 
 Mesh order is (pp, dp, tp), tp innermost as in torchtitan: rank = (pp_i * dp + dp_i) * tp + tp_i.
+Context parallelism (cp) splits each data-parallel replica's sequences over cp ranks, which replicate or
+shard the weights like data-parallel ranks: `dp` counts the weights' replicas (data x cp, torchtitan's
+dp_shard_cp), `data_dp` the replicas that read their own batches; cp is innermost within dp.
 """
 
 from __future__ import annotations
@@ -23,6 +26,16 @@ class ParallelDims:
     pp: int
     strategy: str  # ddp | zero1 | zero2 | zero3 | fsdp-grad-op (dp > 1), "single" otherwise
     offload_optimizer: bool = False
+    cp: int = 1  # context parallelism: the ranks of dp that share one replica's sequences
+
+    @property
+    def data_dp(self) -> int:
+        """The replicas that read batches of their own: dp over the cp ranks that share each one's."""
+        return self.dp // self.cp
+
+    def cp_index(self, rank: int) -> int:
+        """A rank's share of its replica's sequences (0 .. cp - 1)."""
+        return self.coords(rank)[1] % self.cp
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(pp_stage, dp_index, tp_index) of a global rank."""
@@ -97,6 +110,8 @@ class ParallelDims:
 
     def describe(self) -> str:
         parts = [f"world {self.world_size}", f"dp {self.dp} ({self.strategy})"]
+        if self.cp > 1:
+            parts[1] = f"dp {self.data_dp} x cp {self.cp} ({self.strategy} over the {self.dp} ranks)"
         if self.tp > 1:
             parts.append(f"tp {self.tp}")
         if self.pp > 1:
@@ -128,6 +143,7 @@ def build_parallel_dims(cfg: ParallelConfig, world_size: int, model: ModelSpec) 
             f"{pp} pipeline stages exceed the {model.num_layers} layers of {model.name}",
             f"use parallel.pp <= {model.num_layers}",
         )
+    cp = _context_parallel(cfg.cp, world_size, model, tp=tp, pp=pp)
     dp = world_size // (tp * pp)
     strategy = cfg.strategy if dp > 1 else "single"
     if dp == 1 and cfg.strategy in PARAM_SHARDING_STRATEGIES:
@@ -144,8 +160,38 @@ def build_parallel_dims(cfg: ParallelConfig, world_size: int, model: ModelSpec) 
             'drop the setting (or set "ddp"), or plan more devices (e.g. --gpus 2xH100-80GB)',
         )
     return ParallelDims(
-        world_size=world_size, dp=dp, tp=tp, pp=pp, strategy=strategy, offload_optimizer=cfg.offload_optimizer
+        world_size=world_size, dp=dp, tp=tp, pp=pp, strategy=strategy, offload_optimizer=cfg.offload_optimizer, cp=cp
     )
+
+
+def _context_parallel(cp: int, world_size: int, model: ModelSpec, *, tp: int, pp: int) -> int:
+    """cp divides the world and the query heads; key/value heads divide by cp or divide it (then each is repeated
+    to cp of them); alone on the model's axes (beside data parallelism) until it composes with tp and pp."""
+    if cp == 1:
+        return cp
+    if tp > 1 or pp > 1:
+        axis = "parallel.tp" if tp > 1 else "parallel.pp"
+        raise ConfigError(
+            "parallel.cp",
+            f"context parallelism beside {axis} (a 3-D layout) is not built yet; cp composes with data parallelism",
+            f"set {axis} = 1 with parallel.cp, or parallel.cp = 1",
+        )
+    if world_size % cp:
+        raise ConfigError(
+            "parallel.cp",
+            f"cp {cp} does not divide the world size {world_size} (number of devices)",
+            f"use devices in a multiple of {cp} or change parallel.cp",
+        )
+    heads, kv = model.num_heads, model.num_kv_heads
+    if heads % cp or (kv % cp and cp % kv):
+        raise ConfigError(
+            "parallel.cp",
+            f"cp {cp} does not share out the {heads} attention heads and {kv} KV heads of {model.name} "
+            "(each rank takes heads/cp of them; KV heads must divide by cp or divide it)",
+            "choose a cp that divides the head count"
+            + (f" (e.g. {max(c for c in range(1, heads + 1) if heads % c == 0 and c <= cp)})" if heads % cp else ""),
+        )
+    return cp
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,11 +16,11 @@ if TYPE_CHECKING:
 
 def active(r: Resolved) -> bool:
     """train.compile resolved: "auto" compiles a training run on GPUs, but not beside activation offload,
-    whose hooks need the eager layers' saved tensors, nor a tensor- or pipeline-parallel one (the plan
-    has no compiled terms for their layers; an explicit true is refused there)."""
+    whose hooks need the eager layers' saved tensors, nor a tensor-, pipeline- or context-parallel one (the
+    plan has no compiled terms for their layers; an explicit true is refused there)."""
     setting = r.cfg.train.compile
     if setting == "auto":
-        eager_only = activation_offload.on(r.cfg) or r.dims.tp > 1 or r.dims.pp > 1
+        eager_only = activation_offload.on(r.cfg) or r.dims.tp > 1 or r.dims.pp > 1 or r.dims.cp > 1
         return r.training and all(d.is_gpu for d in r.devices) and not eager_only
     return setting
 
@@ -37,7 +37,8 @@ def refuse(r: Resolved) -> None:
 
 def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
     """The engine compiles under every data-parallel strategy it runs, not the tp split nor pipeline stages."""
-    for field, name, on in (("parallel.tp", "tensor", dims.tp > 1), ("parallel.pp", "pipeline", dims.pp > 1)):
+    layouts = (("parallel.tp", "tensor", dims.tp > 1), ("parallel.pp", "pipeline", dims.pp > 1))
+    for field, name, on in (*layouts, ("parallel.cp", "context", dims.cp > 1)):
         if cfg.train.compile is True and on:
             fix = f'set train.compile = false (or "auto") with {field}, or {field} = 1'
             raise NotRunnable.beside("train.compile", "torch.compile", f"{name} parallelism", fix)
