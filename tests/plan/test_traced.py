@@ -571,25 +571,24 @@ def test_a_replayed_reserve_keeps_the_replays_measured_miss_for_its_class(tiny_d
 
 @pytest.mark.parametrize("extra", [[], ["memory.activation_checkpointing=true"]], ids=["plain", "ac"])
 @pytest.mark.parametrize("mode", ["full", "lora"])
-def test_packed_documents_masks_are_planned_within_their_band(mode, extra):
-    """data.packing = "document": SDPA gets a block-causal mask, which it saves in every layer in the
-    query's dtype, and K and V are repeated to every head. The plan's peak follows the trace (fake
-    tensors through the engine's step, position ids restarting) to within the band it adds, and sits
-    above the concat plan by at least the layers' saved masks."""
+def test_packed_documents_run_without_a_mask_and_are_planned_to_the_trace(mode, extra):
+    """data.packing = "document": SDPA attends one document a call with no mask (run/attention.py), so the
+    packed plan follows the trace (fake tensors through the engine's step, two documents a row) as closely as
+    the concat plan does, with no (s x s) term: it sits above concat by less than one layer's mask would
+    weigh (the position ids, the rotary tables per row and, under full fine-tuning, the assembled output)."""
     base = ["model.source=tiny-llama", "hardware.gpus=cpu", "batch.seq_len=256", "batch.micro_batch_size=2"]
-    peaks = {}
+    peaks, misses = {}, {}
     for kind in ("concat", "document"):
         cfg = C.load(None, [*base, "precision=fp32", f"mode={mode}", f"data.packing={kind}", *extra])
         result, r = traced.trace(cfg)
         d = analytic.plan(r.cfg, r.spec).devices[0]
-        peaks[kind] = d.peak_allocated
-        if kind == "document":
-            # never under by more than the band; full fine-tuning with checkpointing is over by 4.9%
-            # (its backward's recomputed masks, not yet traced apart): the safe side, stated in the docs
-            assert -packing.PACKED_BAND <= d.peak_allocated / result.peak_bytes - 1 <= 0.05
-            assert "packed documents" in d.error_band_source
-    layers_masks = 0 if extra else 2 * 2 * 256 * 256 * 4  # 2 layers x (b, 1, s, s) fp32
-    assert peaks["document"] - peaks["concat"] >= layers_masks
+        peaks[kind], misses[kind] = d.peak_allocated, d.peak_allocated / result.peak_bytes - 1
+    # full fine-tuning with checkpointing plans concat 5.6 % over its trace (the recompute's moment), and
+    # document packing the same; every other case within 0.1 %
+    assert misses["document"] == pytest.approx(misses["concat"], abs=2e-3)
+    assert abs(misses["document"]) < (0.06 if mode == "full" and extra else 1e-3)
+    one_mask = 2 * 256 * 256 * 4  # (b, 1, s, s) fp32: what every layer saved with transformers' mask
+    assert 0 < peaks["document"] - peaks["concat"] < one_mask
 
 
 def test_the_plan_reads_the_packing_from_the_datas_first_row(tmp_path):

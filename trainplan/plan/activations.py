@@ -49,8 +49,8 @@ class ActContext:
     # input * noise and saves the noise in the input's dtype.
     cpu: bool = False
     tp: int = 1
-    # data.packing "document": transformers builds a block-causal (b, 1, s, s) bool mask, which SDPA
-    # converts to the query's dtype and saves in every layer (no kernel takes the bool mask as it is)
+    # data.packing "document": SDPA runs one document a call with no mask (run/attention.py), each call's
+    # output written into one (b, s, heads, d) tensor; eager attention takes transformers' block-causal mask
     packed: bool = False
 
     @property
@@ -194,10 +194,9 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
         # On CUDA, flash attention takes 16-bit inputs with head_dim <= 256 and handles grouped
         # K/V itself; otherwise memory-efficient attention runs, which wants K and V repeated to
         # every head (saved so) and pads its logsumexp to a multiple of 32 positions.
-        # With a mask (packed documents) flash attention cannot run, and transformers repeats K and V
-        # to every head itself (integrations/sdpa_attention.py use_gqa_in_sdpa), on the CPU too.
-        efficient = not ctx.cpu and (qk_bytes == FP32 or spec.head_dim > 256 or ctx.packed)
-        kv_saved = q_dim if efficient or ctx.packed else kv_dim
+        # Packed documents run the same kernel one document a call, with no mask (run/attention.py).
+        efficient = not ctx.cpu and (qk_bytes == FP32 or spec.head_dim > 256)
+        kv_saved = q_dim if efficient else kv_dim
         if kv_saved != kv_dim:
             value_saved = SavedTensor(name="sdpa.value (repeated to all heads)", nbytes=t * q_dim * cb)
         lse_positions = -(-ctx.seq // 32) * 32 if efficient else ctx.seq
@@ -210,7 +209,6 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
             value_saved,
             SavedTensor(name="sdpa.output", nbytes=t * q_dim * cb),
             SavedTensor(name="sdpa.logsumexp (fp32)", nbytes=ctx.batch * heads * lse_positions * FP32),
-            *packed_mask_saved(ctx),
         ]
     o_name = "c_proj" if spec.model_type == "gpt2" else "o_proj"
     # SDPA returns its output laid out (b, s, heads, d): the transpose + reshape feeding o_proj
@@ -219,6 +217,8 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
     # follows that layout).
     if ctx.attention == "eager" or (spec.attn.fused_qkv and spec.model_type != "gpt2"):
         out += _linear_inputs(spec, ctx, [(o_name, q_dim)], "attn.output (contiguous copy)", cb)
+    elif ctx.packed:  # each document's output is SDPA's own, saved; o_proj takes them assembled in one tensor
+        out += _linear_inputs(spec, ctx, [(o_name, q_dim)], "attn.output (the documents' outputs assembled)", cb)
     else:  # only LoRA's own saved tensors are new
         shared = replace(ctx, trainable_linears=ctx.trainable_linears - {o_name})
         out += _linear_inputs(spec, shared, [(o_name, q_dim)], "sdpa.output", cb)
@@ -310,16 +310,18 @@ def layer_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bool =
         fit = spec.first_layer_fit if first else spec.layer_fit
         name = "the first decoder layer, its input needing no gradient" if first else "decoder layer"
         name = f"{name} (derived from a trace of 1 and 2 layers)"
-        return [SavedTensor(name=name, nbytes=fit.nbytes(ctx.batch, ctx.seq)), *packed_mask_saved(ctx)]
+        return [SavedTensor(name=name, nbytes=fit.nbytes(ctx.batch, ctx.seq)), *packed_output_saved(spec, ctx)]
     return attention_saved(spec, ctx, input_requires_grad=input_requires_grad) + mlp_saved(spec, ctx)
 
 
-def packed_mask_saved(ctx: ActContext) -> list[SavedTensor]:
-    """SDPA's copy of the block-causal mask of packed documents, in the compute dtype, saved by each layer."""
-    if not ctx.packed or ctx.attention == "eager":
+def packed_output_saved(spec: ModelSpec, ctx: ActContext) -> list[SavedTensor]:
+    """A derived architecture's packed documents: the attention output assembled from each document's call,
+    which the output projection saves when it trains (a full fine-tune); its fit was traced on one document
+    a row."""
+    if not ctx.packed or ctx.attention == "eager" or not ctx.trainable_linears:
         return []
-    nbytes = ctx.batch * ctx.seq * ctx.seq * ctx.compute_bytes
-    return [SavedTensor(name="sdpa.mask (packed documents, as the query's dtype)", nbytes=nbytes, note="s^2 term")]
+    nbytes = ctx.tokens * (spec.q_dim // ctx.tp) * ctx.compute_bytes
+    return [SavedTensor(name="attn.output (the documents' outputs assembled)", nbytes=nbytes)]
 
 
 def selective_kept(spec: ModelSpec, ctx: ActContext) -> list[SavedTensor]:
@@ -480,11 +482,10 @@ def korthikanti_layer_bytes(*, s: int, b: int, h: int, a: int, t: int = 1, recom
 
 def kept_mask_bytes(ctx: ActContext, checkpointed: int, residual_bytes: int) -> int:
     """One 4-D (b, 1, s, s) mask the checkpoints keep for the recompute, to the backward of the last of
-    its kind: eager attention's in the hidden-state dtype; packed documents' block-causal one under SDPA,
-    a bool."""
-    if not checkpointed or not (ctx.attention == "eager" or ctx.packed):
+    its kind: eager attention's, in the hidden-state dtype (SDPA's packed documents run with none)."""
+    if not checkpointed or ctx.attention != "eager":
         return 0
-    return ctx.tokens * ctx.seq * (residual_bytes if ctx.attention == "eager" else 1)
+    return ctx.tokens * ctx.seq * residual_bytes
 
 
 def attention_masks(spec: ModelSpec) -> int:

@@ -466,7 +466,7 @@ def activations(ctx: RankContext) -> ActTerm:
     step_inputs = A.step_inputs_bytes(spec, act)
     mask = A.kept_mask_bytes(act, ck, ctx.residual)
     step = (f"the step's ids, labels and rotary tables{micro}", in_flight * step_inputs)
-    kind = "eager attention's" if act.attention == "eager" else "the packed documents' block-causal"
+    kind = "eager attention's"
 
     def with_masks(n: int) -> Bytes:
         return Bytes(step, (f"{kind} {n} 4-D mask(s), kept by the checkpoints{micro}", in_flight * n * mask))
@@ -478,10 +478,7 @@ def activations(ctx: RankContext) -> ActTerm:
     hidden = (
         ctx.tokens * spec.hidden_size * ctx.residual if ctx.last and (ctx.autocast or not ctx.full or ctx.fused) else 0
     )
-    sdpa_packed = act.packed and act.attention != "eager"  # its bool mask(s), kept by checkpoints (mask)
-    running = A.attention_masks(spec) * act.tokens * act.seq if sdpa_packed and not mask else 0
-    while_running = (f"the packed documents' block-causal mask(s), while the layers run{micro}", in_flight * running)
-    fwd = bwd + Bytes(("the final hidden state, still referenced by the model output", hidden), while_running)
+    fwd = bwd + Bytes(("the final hidden state, still referenced by the model output", hidden))
     return ActTerm(
         fwd=fwd,
         bwd=bwd,

@@ -33,6 +33,11 @@ class PhasePeaks:
         self.current = None if name == "end" else name
 
 
+def two_documents(seq_len: int) -> tuple[int, int]:
+    """The documents of each row of a traced step on packed documents: two, of half the row each."""
+    return seq_len // 2, seq_len - seq_len // 2
+
+
 def two_steps(
     r: resolve.Resolved, model, optimizer, micro_batches, tokens: int, peaks: PhasePeaks, kernels, pipeline=None
 ):
@@ -44,8 +49,14 @@ def two_steps(
 
     settings = step.StepSettings(prec=r.precision, device_type="cpu")
     hooks = step.StepHooks(on_phase=peaks.on_phase)
+    from trainplan.run import attention
+
     packed = "position_ids" in micro_batches[0]
-    with peaks.tracker, P.packed_sequences() if packed else P.unpacked_sequences(), kernels:
+    # packed documents: transformers' mask code told they are (eager attention), and trainplan's attention
+    # told where (fake position ids hold no values)
+    b, s = micro_batches[0]["input_ids"].shape
+    documents = attention.documents([two_documents(s)] * b) if packed else contextlib.nullcontext()
+    with peaks.tracker, P.packed_sequences() if packed else P.unpacked_sequences(), documents, kernels:
         for iteration in range(2):
             peaks.measuring = iteration == 1
             if pipeline is not None:
@@ -120,9 +131,8 @@ def traced_step(
         ids = torch.randint(0, r.spec.vocab_size, (batch.micro_batch_size, batch.seq_len))
         # labels are their own tensor, as in training (prompt tokens masked with -100)
         micro_batches = [{"input_ids": ids, "labels": ids.clone()} for _ in range(micro_steps)]
-        if sources.packing(r.cfg.data)[0] == "document":  # positions restarting per document: the mask is built
-            half = batch.seq_len // 2
-            positions = torch.cat([torch.arange(half), torch.arange(batch.seq_len - half)])
+        if sources.packing(r.cfg.data)[0] == "document":  # positions restarting per document
+            positions = torch.cat([torch.arange(n) for n in two_documents(batch.seq_len)])
             for mb in micro_batches:
                 mb["position_ids"] = positions.expand(batch.micro_batch_size, -1).clone()
         pipeline = None

@@ -110,16 +110,4 @@ def checkpointed_layer_forward(ctx: RankContext) -> Bytes:
         ("the MLP's intermediates", n_inter * t * ctx.inter * cb),
         ("eager attention's weights, still bound by the layer's forward", weights),
     )
-    if not act.packed or act.attention == "eager":
-        return mlp
-    # packed documents: at SDPA, its copy of the block-causal mask in the query's dtype, beside the
-    # query, K and V before and after their repeat to every head, and the output
-    q, kv = spec.q_dim // ctx.tp, spec.kv_dim // ctx.tp
-    sdpa = Bytes(
-        ("SDPA's copy of the packed documents' mask", t * ctx.batch.seq_len * cb),
-        ("the query, K and V repeated to every head, and the output", 4 * t * q * cb),
-        ("K and V before the repeat", 2 * t * kv * cb),
-        ("the attention's normed input", t * h * ctx.residual),
-        ("SDPA's logsumexp (fp32)", ctx.batch.micro_batch_size * heads * ctx.batch.seq_len * 4),
-    )
-    return max(mlp, sdpa)
+    return mlp
