@@ -243,9 +243,15 @@ def _tiny_lm(attention: str):
 
     from tests.conftest import TINY
 
+    from trainplan.run import attention as A
+
+    A.register()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**TINY, attn_implementation=attention, use_cache=False)  # as train builds it
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if attention == A.IMPLEMENTATION:
+        A.install(model)
+    return model
 
 
 def _spans(positions) -> list[tuple[int, int, int]]:
@@ -275,7 +281,7 @@ def test_document_packing_fills_rows_with_whole_documents(plain_tok):
     assert cut.truncated == sum(len(enc(d)[0]) + 1 > 8 for d in PACKED) > 0 and cut.ids.shape[1] == 8
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", ["trainplan_sdpa", "sdpa", "eager"])
 def test_a_packed_documents_logits_ignore_the_other_documents_in_its_row(plain_tok, attention):
     """Block-causal attention from the position ids: changing one document's tokens changes its own
     logits and no other's in the row. Under concat packing (no position ids) the same change reaches
@@ -294,6 +300,39 @@ def test_a_packed_documents_logits_ignore_the_other_documents_in_its_row(plain_t
         assert not torch.allclose(before[0, :a], after[0, :a], atol=1e-3)
         plain = [model(input_ids=x).logits for x in (row, changed)]
     assert not torch.allclose(plain[0][0, a:b], plain[1][0, a:b], atol=1e-3)
+
+
+def test_packed_documents_attend_without_any_s_by_s_tensor_and_as_the_mask_does(plain_tok):
+    """trainplan's document attention (run/attention.py, what train runs on packed documents): the logits
+    and the gradients of the block-causal mask's SDPA, within fp32 rounding, and no tensor with two
+    sequence-long dims at any moment of forward and backward, where transformers' masked path makes some."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Widest(TorchDispatchMode):
+        square = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == t.shape[-2] == s:
+                    self.square += 1
+            return out
+
+    packed = data.pack(PACKED, plain_tok, 48, 49152, packing="document")  # no other dim of the model is 48
+    ids, pos, labels = packed.ids[:2], packed.positions[:2], packed.labels[:2]
+    s = ids.shape[1]
+    results = {}
+    for attention in ("trainplan_sdpa", "sdpa"):
+        model = _tiny_lm(attention).train()
+        with Widest() as seen:
+            out = model(input_ids=ids, position_ids=pos, labels=labels)
+            out.loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        results[attention] = (out.logits.detach(), grads, seen.square)
+    (logits, grads, square), (ref_logits, ref_grads, ref_square) = results["trainplan_sdpa"], results["sdpa"]
+    assert torch.allclose(logits, ref_logits, atol=1e-5) and torch.allclose(grads, ref_grads, atol=1e-6)
+    assert square == 0 and ref_square > 0
 
 
 def test_document_packed_losses_equal_each_document_run_alone(plain_tok):

@@ -49,6 +49,10 @@ class ActContext:
     # input * noise and saves the noise in the input's dtype.
     cpu: bool = False
     tp: int = 1
+    # context parallelism: seq is a rank's 1/cp of each sequence; attention takes the whole sequence for 1/cp
+    # of the heads (the same bytes, but KV heads fewer than cp repeated to cp) and returns its output to the
+    # rank's slice through an all-to-all, a new tensor as packed documents' assembled output is
+    cp: int = 1
     # data.packing "document": SDPA runs one document a call with no mask (run/attention.py), each call's
     # output written into one (b, s, heads, d) tensor; eager attention takes transformers' block-causal mask
     packed: bool = False
@@ -196,7 +200,7 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
         # every head (saved so) and pads its logsumexp to a multiple of 32 positions.
         # Packed documents run the same kernel one document a call, with no mask (run/attention.py).
         efficient = not ctx.cpu and (qk_bytes == FP32 or spec.head_dim > 256)
-        kv_saved = q_dim if efficient else kv_dim
+        kv_saved = q_dim if efficient else max(kv_dim, ctx.cp * spec.head_dim) if ctx.cp > 1 else kv_dim
         if kv_saved != kv_dim:
             value_saved = SavedTensor(name="sdpa.value (repeated to all heads)", nbytes=t * q_dim * cb)
         lse_positions = -(-ctx.seq // 32) * 32 if efficient else ctx.seq
@@ -217,8 +221,9 @@ def attention_saved(spec: ModelSpec, ctx: ActContext, *, input_requires_grad: bo
     # follows that layout).
     if ctx.attention == "eager" or (spec.attn.fused_qkv and spec.model_type != "gpt2"):
         out += _linear_inputs(spec, ctx, [(o_name, q_dim)], "attn.output (contiguous copy)", cb)
-    elif ctx.packed:  # each document's output is SDPA's own, saved; o_proj takes them assembled in one tensor
-        out += _linear_inputs(spec, ctx, [(o_name, q_dim)], "attn.output (the documents' outputs assembled)", cb)
+    elif ctx.packed or ctx.cp > 1:  # SDPA's own output is saved; o_proj takes a new tensor assembled from it
+        what = "the documents' outputs assembled" if ctx.cp == 1 else "all-to-all back to the rank's tokens"
+        out += _linear_inputs(spec, ctx, [(o_name, q_dim)], f"attn.output ({what})", cb)
     else:  # only LoRA's own saved tensors are new
         shared = replace(ctx, trainable_linears=ctx.trainable_linears - {o_name})
         out += _linear_inputs(spec, shared, [(o_name, q_dim)], "sdpa.output", cb)
@@ -318,7 +323,7 @@ def packed_output_saved(spec: ModelSpec, ctx: ActContext) -> list[SavedTensor]:
     """A derived architecture's packed documents: the attention output assembled from each document's call,
     which the output projection saves when it trains (a full fine-tune); its fit was traced on one document
     a row."""
-    if not ctx.packed or ctx.attention == "eager" or not ctx.trainable_linears:
+    if not (ctx.packed or ctx.cp > 1) or ctx.attention == "eager" or not ctx.trainable_linears:
         return []
     nbytes = ctx.tokens * (spec.q_dim // ctx.tp) * ctx.compute_bytes
     return [SavedTensor(name="attn.output (the documents' outputs assembled)", nbytes=nbytes)]
@@ -455,10 +460,16 @@ def fused_loss_bytes(
 def step_inputs_bytes(spec: ModelSpec, ctx: ActContext) -> int:
     """Tensors every forward holds besides saved activations: the int64 input ids and labels, and
     the rotary cos/sin tables (1, s, head_dim) in the hidden-state dtype, saved by every layer.
-    Packed documents add their int64 position ids, and the tables follow them, one per row."""
-    rows = ctx.batch if ctx.packed else 1
+    Packed documents add their int64 position ids, and the tables follow them, one per row. Under context
+    parallelism the step's ids, labels (and position ids) are whole, the rank's cut of the labels shifted by one
+    is its own, concat's positions one arange of the sequence, and the tables per row."""
+    rows = ctx.batch if ctx.packed or ctx.cp > 1 else 1
     rotary = 0 if spec.model_type == "gpt2" else 2 * rows * ctx.seq * spec.head_dim * ctx.residual_bytes
-    return (3 if ctx.packed else 2) * ctx.tokens * 8 + rotary
+    if ctx.cp == 1:
+        return (3 if ctx.packed else 2) * ctx.tokens * 8 + rotary
+    whole = ctx.tokens * ctx.cp
+    positions = whole if ctx.packed else ctx.seq * ctx.cp
+    return (2 * whole + positions + ctx.tokens) * 8 + rotary
 
 
 def korthikanti_layer_bytes(*, s: int, b: int, h: int, a: int, t: int = 1, recompute: str = "none") -> int:

@@ -225,7 +225,7 @@ def _batch_fields(r: Resolved, stage: int) -> dict:
 
 
 def _at_micro_batch(like: RankContext, r: Resolved) -> RankContext:
-    if (like.r.dims is not r.dims and like.r.dims != r.dims) or like.act.seq != r.batch.seq_len:
+    if (like.r.dims is not r.dims and like.r.dims != r.dims) or like.act.seq != features.context_parallel.local_seq(r):
         raise AssertionError("rank_context(like=...) takes a context of the same job at another micro-batch")
     # frozen dataclasses: copy the fields, then set the batch's (dataclasses.replace would validate
     # every field again, a third of the advisor's time per plan)
@@ -243,7 +243,7 @@ def _act_context(
     spec, cfg, batch, cb = r.spec, r.cfg, r.batch, r.precision.compute_bytes
     return A.ActContext(
         batch=batch.micro_batch_size,
-        seq=batch.seq_len,
+        seq=features.context_parallel.local_seq(r),
         compute_bytes=cb,
         residual_bytes=residual,
         autocast=autocast,
@@ -260,6 +260,7 @@ def _act_context(
         cpu=cpu,
         dropout_active=r.training,
         tp=r.dims.tp,
+        cp=r.dims.cp if r.training else 1,
         packed=r.training and sources.packing(r.cfg.data)[0] == "document",
     )
 

@@ -59,8 +59,8 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
     cfg, _ = choose_checkpointing(cfg, spec)  # "auto": the planner's choice is what is traced
     r = resolve.resolve(cfg, spec)
     features.check_traceable(r)
-    if real and (r.dims.shards_params or r.dims.tp > 1):
-        raise TrainplanError("trace: real-tensor validation runs one process; FSDP and tp need torchrun")
+    if real and (r.dims.shards_params or r.dims.tp > 1 or r.dims.cp > 1):
+        raise TrainplanError("trace: real-tensor validation runs one process; FSDP, tp and cp need torchrun")
     from trainplan import _torch_private as P
     from trainplan.run import measure
 
@@ -70,7 +70,7 @@ def trace(cfg: RunConfig, spec: ModelSpec | None = None, *, real: bool = False) 
     target = "cuda" if r.devices[0].is_gpu else "cpu"
     fsdp = dims.shards_params
     world = dims.dp if fsdp else 1  # the data-parallel replicas, over which the loss's tokens are counted
-    ranks = dims.world_size if fsdp or dims.tp > 1 or dims.pp > 1 else 1  # rank 0 and its faked peers
+    ranks = dims.world_size if fsdp or dims.tp > 1 or dims.pp > 1 or dims.cp > 1 else 1  # rank 0, peers faked
     events: list | None = [] if target == "cuda" else None
     with rank_zero(dims, ranks) as mesh:
         phases, adapter_params, states, shapes, micro_steps = traced_step(

@@ -108,6 +108,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         query, key, value = exchange.to_heads(query, key, value)
     b, _, s, _ = query.shape
     lengths = _lengths(layout, kwargs.get("position_ids"), s, b)
+    if len(lengths) != b or any(sum(row) != s for row in lengths):  # internal: a layout of another batch
+        raise AssertionError(f"documents of {[sum(r) for r in lengths]} tokens for a batch of {b} x {s}")
     window = kwargs.get("sliding_window")
     if window is not None and max(max(r) for r in lengths) > window:
         raise TrainplanError(

@@ -26,6 +26,12 @@ if TYPE_CHECKING:
     from trainplan.spec.parallel import ParallelDims
 
 
+def local_seq(r: Resolved) -> int:
+    """The tokens of each sequence a rank runs its layers on in a training step: 1/cp of them (evaluation
+    and generation run whole sequences)."""
+    return r.batch.seq_len // r.dims.cp if r.training else r.batch.seq_len
+
+
 def on(cfg: RunConfig) -> bool:
     return cfg.parallel.cp > 1
 
