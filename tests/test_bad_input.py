@@ -88,6 +88,7 @@ RANGE_CASES = [
         "batch.global_batch_size=0",
         "parallel.tp=0",
         "parallel.pp=0",
+        "parallel.cp=0",
         "parallel.strategy=zero4",
         "memory.attention=flash9",
         "optim.name=adam",
@@ -124,6 +125,22 @@ FLAG_CASES = [
     (["plan", "--set", "batch.seq_len"], r"^--set: 'batch\.seq_len' is not key=value"),
     (["plan", "--gpus", "3xH100-80GB", "--tp", "2"], r"^parallel\.tp: tp 2 x pp 1 = 2 does not divide"),
     (["plan", "--model", "GPT-2", "--gpus", "16xA100-80GB", "--pp", "16"], r"^parallel\.pp: 16 pipeline stages"),
+    # context parallelism (issue 67): heads, world, sequence, attention and layouts it does not compose with
+    (["plan", "--model", "Qwen2.5-0.5B", "--gpus", "8xH100-80GB", "--cp", "8"], r"^parallel\.cp: cp 8 does not share"),
+    (["plan", "--gpus", "3xH100-80GB", "--cp", "2"], r"^parallel\.cp: cp 2 does not divide the world size 3"),
+    (
+        ["plan", "--model", "Llama-3.1-8B", "--gpus", "2xH100-80GB", "--cp", "2", "--seq", "4095"],
+        r"^batch\.seq_len: 4095 tokens do not split",
+    ),
+    (
+        ["plan", "--model", "Llama-3.1-8B", "--gpus", "2xH100-80GB", "--cp", "2", "--attention", "eager"],
+        r"^memory\.attention: context par",
+    ),
+    (
+        ["plan", "--model", "Llama-3.1-8B", "--gpus", "4xH100-80GB", "--cp", "2", "--tp", "2"],
+        r"^parallel\.cp: context parallelism beside",
+    ),
+    (["train", "--gpus", "cpu", "--cp", "2"], r"^parallel\.cp: cp 2 does not divide the world size 1"),
     (["plan", "--gpus", "cpu", "--global-batch", "3", "--micro-batch", "2"], r"^batch\.global_batch_size: 3 is not"),
     (["plan", "--mode", "qlora", "--gpus", "cpu"], r"^run\.mode: qlora needs CUDA GPUs"),
     (["plan", "--model", "GPT-2", "--seq", "100000000"], r"^batch\.seq_len: "),

@@ -8,7 +8,7 @@ import pytest
 from trainplan import config as C
 from trainplan import resolve
 from trainplan.errors import TrainplanError
-from trainplan.plan import analytic, fragmentation, packing, traced, verdict
+from trainplan.plan import analytic, fragmentation, traced, verdict
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow  # every test traces or runs the real model

@@ -242,7 +242,6 @@ def _tiny_lm(attention: str):
     import transformers
 
     from tests.conftest import TINY
-
     from trainplan.run import attention as A
 
     A.register()

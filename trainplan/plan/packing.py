@@ -12,6 +12,7 @@ from trainplan.run import sources
 if TYPE_CHECKING:
     from trainplan.resolve import Resolved
 
+
 def notes(r: Resolved) -> list[str]:
     packing, why = sources.packing(r.cfg.data)
     seq, longest = r.batch.seq_len, r.cfg.data.max_length

@@ -188,8 +188,9 @@ def _context_parallel(cp: int, world_size: int, model: ModelSpec, *, tp: int, pp
             "parallel.cp",
             f"cp {cp} does not share out the {heads} attention heads and {kv} KV heads of {model.name} "
             "(each rank takes heads/cp of them; KV heads must divide by cp or divide it)",
-            "choose a cp that divides the head count"
-            + (f" (e.g. {max(c for c in range(1, heads + 1) if heads % c == 0 and c <= cp)})" if heads % cp else ""),
+            "choose a cp that divides both, or the KV heads divide: "
+            + ", ".join(str(c) for c in range(2, heads + 1) if not heads % c and (not kv % c or not c % kv))
+            or "none does; set parallel.cp = 1",
         )
     return cp
 
