@@ -474,3 +474,32 @@ def test_qlora_plans_meet_the_published_points_once_the_stacks_bitsandbytes_is_c
         else:
             assert 0.16 * published <= published - planned <= 0.21 * published, row
             assert abs(planned + row["stack"] - published) <= 0.07 * published, row
+
+
+def _activations(*sets: str) -> int:
+    base = ["model.source=tiny-llama", "hardware.gpus=cpu", "precision=fp32", "model.extend_context=true"]
+    d = plan(C.load(None, [*base, *sets])).devices[0]
+    return d.phases["backward"]["activations"]
+
+
+def test_packed_documents_activations_grow_linearly_with_the_sequence():
+    """Issue 67: with no (s x s) mask, a packed plan's activations at 32K tokens are at most 2.1x those at 16K
+    (the plan had a (b, 1, s, s) mask term in every layer, 4x); eager attention's scores stay quadratic."""
+    packed = {s: _activations("data.packing=document", f"batch.seq_len={s}") for s in (16384, 32768)}
+    assert packed[32768] <= 2.1 * packed[16384]
+    eager = {s: _activations("memory.attention=eager", f"batch.seq_len={s}") for s in (16384, 32768)}
+    assert eager[32768] > 3.5 * eager[16384]
+
+
+def test_context_parallelism_plans_each_rank_a_slice_of_the_sequence():
+    """cp 2 on 2 ranks: each rank's activations are those of half the sequence on one process, plus what the
+    split adds: the all-to-all's output, a new tensor the output projection saves (2 layers x 2048 tokens x 64
+    x 4 B), and the step's whole ids and labels, the positions and the rank's shifted labels (int64)."""
+    half = _activations("batch.seq_len=2048")
+    sets = ["model.source=tiny-llama", "hardware.gpus=2xcpu", "precision=fp32", "batch.seq_len=4096"]
+    split = plan(C.load(None, [*sets, "parallel.cp=2"]))
+    exchanged = 2 * 2048 * 64 * 4
+    inputs = (2 * 4096 + 4096 + 2048 - 2 * 2048) * 8
+    assert len(split.devices) == 2
+    for d in split.devices:
+        assert d.phases["backward"]["activations"] == half + exchanged + inputs
