@@ -17,7 +17,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from trainplan.features.pipeline_parallel.engine import Pipeline, cut
-from trainplan.run import evaluate, loss, measure, step
+from trainplan.run import attention, evaluate, loss, measure, step
 from trainplan.run.checkpoint.format import _dcp_state
 from trainplan.spec.parallel import ParallelDims
 from trainplan.spec.precision import PRECISIONS
@@ -27,7 +27,10 @@ def main(root: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     spec = json.loads((root / "spec.json").read_text())
-    model = transformers.AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).train()
+    attention.register()  # the rows pack documents: attention as train runs it on them, a document a call
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        root / "model", dtype=torch.float32, attn_implementation=attention.IMPLEMENTATION
+    ).train()
     loss.install(model, spec["chunk_tokens"])
     pp = dist.get_world_size()
     dims = ParallelDims(world_size=pp, dp=1, tp=1, pp=pp, strategy="single")

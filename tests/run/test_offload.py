@@ -80,6 +80,9 @@ def test_activation_offload_trains_as_the_plain_run_and_moves_what_the_plan_says
     [
         ["precision=fp32", "memory.activation_checkpointing=1"],  # layer 1 offloaded, layer 0 recomputed
         ["precision=amp-bf16", "mode=lora"],  # autocast's weight copies stay; layer 0's input needs no grad
+        # checkpoints in host memory (issue 67): every layer's kept input copied out, and back for its recompute
+        ["precision=fp32", "memory.activation_checkpointing=true"],
+        ["precision=amp-bf16", "mode=lora", "memory.activation_checkpointing=true"],
     ],
 )
 def test_offload_hooks_copy_and_restore_bitwise(tiny_run, sets):

@@ -124,7 +124,7 @@ def test_two_stages_of_1f1b_reproduce_one_process_accumulating_four_micro_batche
         "batch.seq_len": SEQ,
         "precision": "fp32",
         "train.loss_chunk_tokens": chunk,
-        "data.packing": "document",  # the rows pack documents: a block-causal mask, K and V repeated
+        "data.packing": "document",  # the rows pack documents: one SDPA call a document, no mask
     }
     ledger = analytic.plan(C.load(None, [], settings_of_run))
     planned = [dev.phases["forward"]["comm_buffers"] for dev in ledger.devices]

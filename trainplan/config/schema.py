@@ -418,6 +418,9 @@ class MemoryConfig:
     # the saved tensors of the layers not checkpointed go to host memory in forward and come back for
     # backward: false | true | "pinned" (page-locked host buffers: faster copies, rounded up by the allocator)
     offload_activations: bool | str = False
+    # each decoder layer's MLP computed in tiles of the sequence under recompute (ALST's TiledMLP): the
+    # (tokens x intermediate) tensors exist for one tile at a time; the MLP's input is what a layer keeps of it
+    tiled_mlp: bool = False
     # the CUDA caching allocator maps pages into one growing range per pool (PYTORCH_CUDA_ALLOC_CONF=
     # expandable_segments:True), so freed blocks merge whatever their order: train sets it unless the
     # variable is already set, and the plan's allocator reserve follows this setting
@@ -425,6 +428,10 @@ class MemoryConfig:
 
     def __post_init__(self) -> None:
         _choice("memory", "attention", self.attention, ATTENTIONS)
+        if not isinstance(self.tiled_mlp, bool):
+            raise ConfigError(
+                "memory.tiled_mlp", f"must be true or false (got {self.tiled_mlp!r})", "use true or false"
+            )
         if not isinstance(self.expandable_segments, bool):
             raise ConfigError(
                 "memory.expandable_segments",

@@ -36,6 +36,7 @@ from trainplan.features import (
     sharding,
     step_in_backward,
     tensor_parallel,
+    tiled_mlp,
     torch_compile,
 )
 
@@ -57,6 +58,7 @@ FEATURES = (
     lora,
     checkpointing,
     activation_offload,
+    tiled_mlp,
     torch_compile,
     step_in_backward,
 )

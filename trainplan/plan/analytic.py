@@ -269,6 +269,7 @@ def _device_ledger(
 
     device = r.devices[rank]
     band, band_source = accuracy.band(r.spec.model_type, r.cfg.mode, derived=r.spec.derived)
+    band, band_source = features.tiled_mlp.band(r, band, band_source)
     reserve, reserve_source = allocator_reserve(r.cfg)
     led = DeviceLedger(
         label=_label(device, rank),

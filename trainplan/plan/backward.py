@@ -168,7 +168,7 @@ def _top_layer_mlp_backward(
     cb, tokens, inter = ctx.cb, ctx.tokens, ctx.inter
     formed = ctx.tensors.numel("top_down", ctx.tp, ctx.shards.g) if ctx.full else 0  # final norm, top down_proj
     formed_bytes = formed * ctx.prec.grad_bytes
-    top_down_in = tokens * inter * cb if ctx.full else 0
+    top_down_in = tokens * inter * cb if ctx.full and not ctx.act.tiled_mlp else 0  # tiled: never saved
     head_and_top = Bytes(
         ("the head's gradient", grads.head), ("the final norm's and the top down projection's", formed_bytes)
     )
@@ -190,7 +190,8 @@ def _top_layer_mlp_backward(
     activations = Bytes(
         saved,
         ("less the top down projection's input, released by its backward", -top_down_in),
-        ("the MLP's intermediate gradients (d product, d act, d up)", 3 * tokens * inter * cb),
+        ("the MLP's intermediate gradients (d product, d act, d up)", 3 * ctx.mlp_tokens * inter * cb),
+        ("the tiled MLP's recompute of one tile and its input's gradient", ctx.mlp_tile_backward),
     )
     if ctx.spec.mlp.num_experts:  # the MoE block's own widest moment (no down_proj module: `formed` holds norms only)
         released, temps, expert_grad = moe_backward(ctx)

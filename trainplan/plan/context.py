@@ -111,6 +111,27 @@ class RankContext:
         return self.act.tokens
 
     @property
+    def mlp_tokens(self) -> int:
+        """The tokens the MLP's working set spans: all of them, or one tile's under memory.tiled_mlp."""
+        if not self.act.tiled_mlp:
+            return self.tokens
+        n = features.tiled_mlp.tiles(self.act.seq, self.spec.hidden_size)
+        return self.act.batch * -(-self.act.seq // n)
+
+    @property
+    def mlp_tile_backward(self) -> int:
+        """Under memory.tiled_mlp, what an MLP's backward adds to its intermediate gradients: one tile's
+        recompute (the MLP's saved tensors for its tokens), the input's gradient, allocated whole, and under a
+        full fine-tune the MLP's weight gradients twice (summed over the tiles, and one tile's)."""
+        if not self.act.tiled_mlp:
+            return 0
+        n = features.tiled_mlp.tiles(self.act.seq, self.spec.hidden_size)
+        tile = A.tiled_mlp_recompute(self.spec, self.act, -(-self.act.seq // n))
+        weights = sum(lin.in_features * lin.out_features for lin in self.spec.layer_linears if lin.group == "mlp")
+        grads = 2 * weights // self.tp * self.prec.grad_bytes if self.full else 0
+        return tile + self.tokens * self.spec.hidden_size * self.residual + grads
+
+    @property
     def inter(self) -> int:
         """MLP intermediate width on this tensor-parallel rank, times the experts a token visits."""
         return self.spec.intermediate_size // self.tp * (self.spec.mlp.experts_per_token or 1)
@@ -261,6 +282,7 @@ def _act_context(
         dropout_active=r.training,
         tp=r.dims.tp,
         cp=r.dims.cp if r.training else 1,
+        tiled_mlp=features.tiled_mlp.active(r),
         packed=r.training and sources.packing(r.cfg.data)[0] == "document",
     )
 

@@ -404,6 +404,7 @@ class ActTerm(NamedTuple):
     # what an offloaded layer holds on the device while it runs (forward) or its backward runs: its
     # saved tensors, in no moment outside it (the logits, the final norm's backward)
     layer_on_device: int = 0
+    kept_on_device: int = 0  # of `kept`, what stays on the device (its input goes to the host when offloaded)
 
 
 def activations(ctx: RankContext) -> ActTerm:
@@ -419,17 +420,19 @@ def activations(ctx: RankContext) -> ActTerm:
         # the frozen embedding's output needs no grad: layer 0's first norm saves nothing
         saved_layers += _layer_saved_bytes(ctx, input_requires_grad=False) - per_layer_bytes
     offloaded = host = layer_on_device = 0
-    if ctx.offload_acts and n_layers > ck:
-        offloaded = in_flight * (saved_layers - ck * kept)
+    if ctx.offload_acts:
+        # the plain layers' saved tensors, and the checkpointed layers' inputs (ALST's checkpoints in host memory;
+        # selective checkpointing's kept outputs stay with the checkpoint, on the device)
+        offloaded = in_flight * (saved_layers - ck * (kept - layer_in))
         if not ctx.cpu:  # the device keeps one layer's saved tensors while it forms or is back for backward
-            saved_layers, layer_on_device = ck * kept, per_layer_bytes
+            saved_layers, layer_on_device = ck * (kept - layer_in), per_layer_bytes if n_layers > ck else layer_in
             host = offloaded
             if ctx.offload_acts == "pinned":
                 n_plain = n_layers - ck - (1 if first_plain else 0)
                 host = n_plain * sum(_pow2(t.nbytes) for t in per_layer)  # pinned: rounded to powers of two
                 if first_plain:
                     host += sum(_pow2(t.nbytes) for t in _layer_saved(ctx, input_requires_grad=False))
-                host *= in_flight
+                host = in_flight * (host + ck * _pow2(layer_in))
     head_saved = A.head_saved(spec, act, lm_head_trainable=ctx.full and not ctx.fused) if ctx.last else []
     micro = f", x {in_flight} micro-batches in flight" if in_flight > 1 else ""
     layers_saved = Bytes((f"the layers' saved tensors{micro}", in_flight * saved_layers))
@@ -456,7 +459,8 @@ def activations(ctx: RankContext) -> ActTerm:
     else:
         note = f"{n_layers} layers x {plain}"
     if offloaded:
-        moved = f"{n_layers - ck} layer(s) not checkpointed ({gib(offloaded)})"
+        moved = f"{n_layers - ck} layer(s) not checkpointed" + (f" and {ck} checkpointed layers' inputs" if ck else "")
+        moved += f" ({gib(offloaded)})"
         note += (
             f"; offloaded: the saved tensors of {moved} pass through the offload hooks and stay, the host being "
             "the device"
@@ -490,6 +494,7 @@ def activations(ctx: RankContext) -> ActTerm:
         head_saved=head_saved,
         layer_in=layer_in,
         kept=kept,
+        kept_on_device=kept - layer_in if ctx.offload_acts and not ctx.cpu else kept,
         step_inputs=step_inputs,
         note=note,
         inputs=inputs,
@@ -539,7 +544,7 @@ def _first_layer_backward(ctx: RankContext, layer_in: int) -> int:
         released, temps, formed = moe_backward(ctx)
         mlp_bwd = temps + formed - released
     else:  # d product, d act and d up (d product is freed before silu's backward forms d gate)
-        mlp_bwd = 3 * tokens * inter * cb
+        mlp_bwd = 3 * ctx.mlp_tokens * inter * cb + ctx.mlp_tile_backward
     first_layer_bwd = saved - post_saved + mlp_bwd + layer_in  # + the residual stream's gradient
     if post:  # the post-MLP norm's backward: its input still saved, five fp32 (tokens x hidden) temporaries
         post_input = sum(t.nbytes for t in post if ".input" in t.name)

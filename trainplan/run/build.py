@@ -19,6 +19,7 @@ from trainplan.features.pipeline_parallel import engine as pipeline_parallel
 from trainplan.features.qlora import engine as qlora
 from trainplan.features.sharding import engine as sharding
 from trainplan.features.tensor_parallel import engine as tensor_parallel
+from trainplan.features.tiled_mlp import engine as tiled_mlp
 from trainplan.run import attention, loss, sources
 from trainplan.run.converter import Build, dtypes
 from trainplan.spec.layout import causal_lm_type
@@ -86,6 +87,7 @@ CONVERTERS = (
     ("4-bit base", qlora.apply),
     ("mode (lora adapters, what trains)", lora.apply),
     ("fused loss", _fused_loss),
+    ("tiled MLP", tiled_mlp.apply),
     ("checkpointing", checkpointing.apply),
     ("activation offload", activation_offload.apply),
     ("train mode", _train_mode),

@@ -1,5 +1,7 @@
-"""memory.offload_activations: the saved tensors of the decoder layers that are not checkpointed go
-to host memory in forward and come back for backward (its engine.py's hooks), pageable or pinned."""
+"""memory.offload_activations: what the decoder layers keep for backward goes to host memory in forward and
+comes back for backward (its engine.py's hooks), pageable or pinned: the saved tensors of the layers not
+checkpointed, and the checkpointed layers' inputs (ALST's checkpoints in host memory), each back for its
+layer's recompute."""
 
 from __future__ import annotations
 
@@ -31,12 +33,6 @@ def refuse(r: Resolved) -> None:
             "memory.offload_activations",
             "inference saves no activations for a backward",
             "set memory.offload_activations = false",
-        )
-    if on(cfg) and cfg.memory.activation_checkpointing is True:
-        raise ConfigError(
-            "memory.offload_activations",
-            "every layer is checkpointed (memory.activation_checkpointing = true): no layer is left to offload",
-            'checkpoint fewer layers (a number, or "auto") or set memory.offload_activations = false',
         )
 
 

@@ -1,5 +1,6 @@
-"""memory.offload_activations: the saved tensors of the decoder layers that are not checkpointed go
-to host memory as forward saves them, and come back to the device for the backward that uses them.
+"""memory.offload_activations: what the decoder layers keep for backward goes to host memory as forward saves
+it, and comes back to the device for the backward that uses it: a plain layer's saved tensors, and a checkpointed
+layer's input (ALST's checkpoints in host memory), which comes back for the layer's recompute.
 
 torch's saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`), the mechanism of
 `torch.autograd.graph.save_on_cpu`, with four differences the plan relies on (plan/terms.py
@@ -53,13 +54,33 @@ class ActivationOffload:
         self._first: nn.Module | None = None
         self._stack: list = []
 
-    def install(self, layers: list[nn.Module]) -> None:
-        if not layers:
+    def install(self, layers: list[nn.Module], checkpointed: list[nn.Module] = ()) -> None:
+        """Hooks on the plain `layers`; the `checkpointed` ones (their input is what torch's checkpoint keeps,
+        saved before the layer's own forward hooks run) get them around the checkpoint's call instead."""
+        every = [*checkpointed, *layers]
+        if not every:
             return
-        self._first = layers[0]
+        self._first = every[0]
         for layer in layers:
             layer.register_forward_pre_hook(self._enter, with_kwargs=True)
             layer.register_forward_hook(self._exit, always_call=True)
+        for layer in checkpointed:
+            layer._gradient_checkpointing_func = self._around(layer, layer._gradient_checkpointing_func)
+
+    def _around(self, layer: nn.Module, checkpoint):
+        """The layer's checkpoint function with the hooks on while it saves the layer's input; inside, the
+        checkpoint's own hooks take what the forward saves (and drop it)."""
+
+        def call(function, *args, **kwargs):
+            if layer is self._first:
+                self.forward_bytes = 0
+            packed: dict[int, tuple] = {}
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, set(), packed), self._unpack):
+                out = checkpoint(function, *args, **kwargs)
+            packed.clear()
+            return out
+
+        return call
 
     def reset_peak(self) -> None:
         self.peak_bytes = 0
@@ -131,10 +152,11 @@ class ActivationOffload:
         return out
 
 
-def install(model: nn.Module, layers: list[nn.Module], kind: str) -> ActivationOffload:
-    """Offload the saved tensors of `layers` (those not checkpointed); kind: "pageable" or "pinned"."""
+def install(model: nn.Module, layers: list[nn.Module], kind: str, checkpointed=()) -> ActivationOffload:
+    """Offload the saved tensors of `layers` (those not checkpointed) and the kept inputs of the `checkpointed`
+    ones; kind: "pageable" or "pinned"."""
     offload = ActivationOffload(pin_memory=kind == "pinned")
-    offload.install(layers)
+    offload.install(layers, checkpointed)
     setattr(model, _ATTR, offload)
     return offload
 
@@ -153,5 +175,7 @@ def apply(model: nn.Module, b: Build) -> nn.Module:
     moved = activation_offload.kind(b.cfg)
     if moved:
         ac = b.cfg.memory.activation_checkpointing
-        install(model, decoder_layers(model)[b.spec.num_layers if ac is True else int(ac) :], moved)
+        layers = decoder_layers(model)
+        ck = b.spec.num_layers if ac is True else int(ac)
+        install(model, layers[ck:], moved, checkpointed=layers[:ck])
     return model

@@ -36,7 +36,10 @@ def _inside_top_layer(ctx: RankContext, forward: PhaseBill, acts: ActTerm) -> Ph
         weight_copies=Bytes(forward["weight_copies"], _fsdp_buffer(ctx, "forward")),
         activations=Bytes(
             acts.inputs,
-            ("what the checkpointed layers keep, the top one's included", ctx.in_flight * ctx.ckpt.layers * acts.kept),
+            (
+                "what the checkpointed layers keep, the top one's included",
+                ctx.in_flight * ((ctx.ckpt.layers - 1) * acts.kept_on_device + acts.kept),
+            ),
             ("inside the top checkpointed layer's forward", checkpointed_layer_forward(ctx)),
         ),
         logits_loss=0,
@@ -84,7 +87,7 @@ def _recompute(
                 acts.first_layer_bwd,
             ),
             acts.recompute_inputs,
-            ("what the checkpointed layers below keep", ctx.in_flight * (ctx.ckpt.layers - 1) * acts.kept),
+            ("what the checkpointed layers below keep", ctx.in_flight * (ctx.ckpt.layers - 1) * acts.kept_on_device),
         ),
     )
 
@@ -107,7 +110,8 @@ def checkpointed_layer_forward(ctx: RankContext) -> Bytes:
         weights = ctx.batch.micro_batch_size * heads * ctx.batch.seq_len**2 * (4 if ctx.autocast else cb)
     mlp = Bytes(
         ("the residual after attention and the MLP's normed input", 2 * t * h * ctx.residual),
-        ("the MLP's intermediates", n_inter * t * ctx.inter * cb),
+        ("the MLP's intermediates", n_inter * ctx.mlp_tokens * ctx.inter * cb),
+        ("the tiled MLP's output, written a tile at a time", t * h * cb if act.tiled_mlp else 0),
         ("eager attention's weights, still bound by the layer's forward", weights),
     )
     return mlp

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainplan.errors import ConfigError, NotRunnable
-from trainplan.features import activation_offload
+from trainplan.features import activation_offload, tiled_mlp
 
 if TYPE_CHECKING:
     from trainplan.config import RunConfig
@@ -21,6 +21,7 @@ def active(r: Resolved) -> bool:
     setting = r.cfg.train.compile
     if setting == "auto":
         eager_only = activation_offload.on(r.cfg) or r.dims.tp > 1 or r.dims.pp > 1 or r.dims.cp > 1
+        eager_only = eager_only or tiled_mlp.on(r.cfg)
         return r.training and all(d.is_gpu for d in r.devices) and not eager_only
     return setting
 
@@ -42,6 +43,9 @@ def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
         if cfg.train.compile is True and on:
             fix = f'set train.compile = false (or "auto") with {field}, or {field} = 1'
             raise NotRunnable.beside("train.compile", "torch.compile", f"{name} parallelism", fix)
+    if cfg.train.compile is True and tiled_mlp.on(cfg):  # its recompute runs inside backward, a tile at a time
+        fix = 'set train.compile = false (or "auto"), or memory.tiled_mlp = false'
+        raise NotRunnable.beside("train.compile", "torch.compile", "the tiled MLP", fix)
 
 
 def untraceable(r: Resolved) -> str | None:
