@@ -39,7 +39,8 @@ from trainplan.spec.devices import DeviceSpec, parse_devices
 
 AXES = ("seq", "micro-batch")
 SEQ_STEP = 256  # tokens: the granularity of the longest context
-MAX_EXTENDED_SEQ = 1 << 20  # with model.extend_context the model sets no cap; the search stops here
+MAX_EXTENDED_SEQ = 1 << 23  # with model.extend_context the model sets no cap; the search stops here (8M tokens)
+CP_DEGREES = (2, 4, 8, 16, 32, 64)  # context parallelism's degrees the seq search adds, up to the dp ranks
 MAX_MICRO = 1024  # without --global-batch: how far the micro-batch search looks
 
 SCHEMA = "trainplan.advise.maximize/1"
@@ -208,6 +209,42 @@ def _longest(probe: _Probe, rung: Rung) -> Longest:
     return out
 
 
+def long_context(ladder: list[Rung], request: Request, devices: list[DeviceSpec]) -> list[Rung]:
+    """The rungs a long sequence needs beyond the ladder (issue 67), each after the rung it extends: context
+    parallelism over cp of the data-parallel ranks (alone on the model's axes; cp dividing the heads as the
+    engine splits them), and on a checkpointed rung the tiled MLP with the checkpoints in host memory, where
+    hardware.host_mem says how much there is."""
+    spec, host = request.spec, request.base.hardware.host_mem
+    out = []
+    for rung in ladder:
+        if rung.mode == "inference":
+            continue
+        degrees = [1]
+        if rung.tp == rung.pp == 1:
+            kv = spec.num_kv_heads
+            for cp in CP_DEGREES:
+                if rung.dp % cp == 0 and spec.num_heads % cp == 0 and (kv % cp == 0 or cp % kv == 0):
+                    if request.global_batch is None or request.global_batch % (rung.dp // cp) == 0:
+                        degrees.append(cp)
+        tiled = [False] + ([True] if rung.ac and host and not spec.mlp.num_experts and spec.layer_fit is None else [])
+        for cp in degrees:
+            for long in tiled:
+                if cp == 1 and not long:
+                    continue  # the ladder's own rung
+                strategy = rung.strategy if rung.dp > 1 else ("ddp" if cp == 1 else "zero3")
+                out.append(
+                    replace(
+                        rung,
+                        cp=cp,
+                        strategy=strategy,
+                        tiled_mlp=long,
+                        offload_checkpoints=long,
+                        key=(*rung.key, cp, long),
+                    )
+                )
+    return out
+
+
 def maximize(request: Request, axis: str, *, micro_batch: int = 1, fixed_global_batch: bool = True) -> Maximized:
     """Per rung of the ladder, the largest value of `axis` ("seq" or "micro-batch") that fits every
     device; those that fit ranked longest first, ladder order on ties, each with its estimate.
@@ -237,7 +274,10 @@ def maximize(request: Request, axis: str, *, micro_batch: int = 1, fixed_global_
         seconds=0.0,
     )
     probe = _Probe(m)
-    m.results = [_longest(probe, r) for r in rungs(request.spec, devices, request.modes, request.global_batch)]
+    ladder = rungs(request.spec, devices, request.modes, request.global_batch)
+    if axis == "seq":
+        ladder += long_context(ladder, request, devices)
+    m.results = [_longest(probe, r) for r in ladder]
     m.ranked = sorted((x for x in m.results if x.fits), key=lambda x: (-x.value, x.rung.key))
     for x in m.ranked:
         x.estimate = estimate(resolve(x.config, request.spec), request.calibration)

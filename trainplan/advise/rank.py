@@ -77,7 +77,7 @@ def train_blocker(s: Search, o: Outcome) -> str:
 def rung_blocker(cfg: C.RunConfig, r: Rung, spec: ModelSpec, devices: list[DeviceSpec]) -> str:
     """train_blocker for a rung's config as it will be written."""
     strategy = r.strategy if r.dp > 1 else "single"
-    dims = ParallelDims(world_size=r.dp * r.tp * r.pp, dp=r.dp, tp=r.tp, pp=r.pp, strategy=strategy)
+    dims = ParallelDims(world_size=r.dp * r.tp * r.pp, dp=r.dp, tp=r.tp, pp=r.pp, strategy=strategy, cp=r.cp)
     try:
         require_runnable(cfg, dims, cuda=all(d.is_gpu for d in devices), **model_facts(spec))
     except NotRunnable as e:
@@ -116,14 +116,19 @@ def estimate_note(est: StepEstimate | None, registry: str | None) -> str:
 
 def rung_json(r: Rung) -> dict:
     """A rung's settings, as both advise outputs list them."""
-    return {
-        "mode": r.mode,
-        "precision": r.precision,
-        "strategy": r.strategy if r.dp > 1 else "single",
-        "tp": r.tp,
-        "pp": r.pp,
-        "dp": r.dp,
-    }
+    return (
+        {
+            "mode": r.mode,
+            "precision": r.precision,
+            "strategy": r.strategy if r.dp > 1 else "single",
+            "tp": r.tp,
+            "pp": r.pp,
+            "dp": r.dp,
+        }
+        | ({"cp": r.cp} if r.cp > 1 else {})
+        | ({"tiled_mlp": True} if r.tiled_mlp else {})
+        | ({"offload_checkpoints": True} if r.offload_checkpoints else {})
+    )
 
 
 def peak_json(ledger: Ledger) -> dict:

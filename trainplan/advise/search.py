@@ -75,6 +75,11 @@ class Rung:
     lora_r: int = 0
     lora_targets: tuple[str, ...] = ()
     targets_label: str = ""  # all-linear | attention
+    # the long-context rungs (advise --maximize seq, advise/maximize.py `long_context`): context parallelism
+    # over cp of the dp ranks, the tiled MLP, and the checkpointed layers' inputs in host memory
+    cp: int = 1
+    tiled_mlp: bool = False
+    offload_checkpoints: bool = False
     key: tuple = field(default=(), compare=False)  # position on the ladder
 
     def config(self, base: C.RunConfig, micro_batch: int, global_batch: int) -> C.RunConfig:
@@ -89,8 +94,13 @@ class Rung:
             batch=C.BatchConfig(
                 micro_batch_size=micro_batch, global_batch_size=global_batch, seq_len=base.batch.seq_len
             ),
-            parallel=C.ParallelConfig(strategy=self.strategy, tp=self.tp, pp=self.pp),
-            memory=replace(base.memory, activation_checkpointing=self.ac),
+            parallel=C.ParallelConfig(strategy=self.strategy, tp=self.tp, pp=self.pp, cp=self.cp),
+            memory=replace(
+                base.memory,
+                activation_checkpointing=self.ac,
+                tiled_mlp=self.tiled_mlp or base.memory.tiled_mlp,
+                offload_activations=True if self.offload_checkpoints else base.memory.offload_activations,
+            ),
             lora=lora,
         )
 
@@ -104,7 +114,10 @@ class Rung:
             parts.append("checkpointing")
         if self.optimizer != "adamw" and self.mode != "inference":
             parts.append(NAMES[self.optimizer])
-        parts += [f"tp {self.tp}"] * (self.tp > 1) + [f"pp {self.pp}"] * (self.pp > 1)
+        parts += (
+            [f"tp {self.tp}"] * (self.tp > 1) + [f"pp {self.pp}"] * (self.pp > 1) + [f"cp {self.cp}"] * (self.cp > 1)
+        )
+        parts += ["tiled MLP"] * self.tiled_mlp + ["checkpoints in host memory"] * self.offload_checkpoints
         return ", ".join(parts)
 
 

@@ -21,6 +21,7 @@ maximum over the whole run and names the phase where it peaks. Imports no torch.
 
 from __future__ import annotations
 
+from trainplan import features
 from trainplan.plan import terms as T
 from trainplan.plan.formulas import kv_cache_bytes
 from trainplan.plan.parts import Bytes
@@ -69,10 +70,15 @@ def forward_working_set(ctx: T.RankContext) -> tuple[int, int, int, int]:
     buffer, the concatenated logits), 0 without it."""
     spec, batch, cb, tp = ctx.spec, ctx.batch, ctx.cb, ctx.tp
     mb = batch.micro_batch_size
-    tokens = mb * batch.seq_len
-    inputs = 2 * tokens * 8
+    seq = features.context_parallel.eval_seq(ctx.r, ctx.fused)  # context parallelism cuts the chunked head's
+    tokens = mb * seq
+    whole = mb * batch.seq_len
+    inputs = 2 * whole * 8 + (whole * 8 + tokens * 8 if seq != batch.seq_len else 0)  # + the cut's shifted labels
     h, inter = spec.hidden_size, spec.intermediate_size // tp
-    layer = 3 * tokens * h * cb + 3 * tokens * inter * cb
+    mlp_tokens = tokens
+    if ctx.act.tiled_mlp and seq > h:  # the tiled MLP runs a tile at a time, into one output
+        mlp_tokens = mb * -(-seq // features.tiled_mlp.tiles(seq, h))
+    layer = 3 * tokens * h * cb + 3 * mlp_tokens * inter * cb + (tokens * h * cb if mlp_tokens != tokens else 0)
     if not ctx.last:
         return inputs, layer, 0, 0
     vocab = spec.vocab_size  # tensor parallelism gathers the logits whole (features/tensor_parallel)

@@ -459,7 +459,11 @@ def activations(ctx: RankContext) -> ActTerm:
     else:
         note = f"{n_layers} layers x {plain}"
     if offloaded:
-        moved = f"{n_layers - ck} layer(s) not checkpointed" + (f" and {ck} checkpointed layers' inputs" if ck else "")
+        parts = [
+            f"{n_layers - ck} layer(s) not checkpointed" if n_layers > ck else "",
+            f"{ck} checkpointed layers' inputs" if ck else "",
+        ]
+        moved = " and ".join(p for p in parts if p)
         moved += f" ({gib(offloaded)})"
         note += (
             f"; offloaded: the saved tensors of {moved} pass through the offload hooks and stay, the host being "

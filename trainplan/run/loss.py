@@ -107,14 +107,19 @@ def chunked_cross_entropy(
 
 
 @torch.no_grad()
-def chunked_eval_sums(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int):
+def chunked_eval_sums(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, *, shifted=False
+):
     """(loss sum, correct next-token predictions, target tokens) of `hidden @ weight.T` against
     `labels` shifted by one, `chunk_tokens` rows at a time: the held-out metric without the
     (tokens x vocab) logits. Numerics of run/evaluate.py's unfused path: fp32 log-softmax over
     compute-dtype logits, argmax of the same fp32 logits."""
-    targets = torch.full_like(labels, IGNORE_INDEX)
-    targets[..., :-1] = labels[..., 1:]
-    targets = targets.reshape(-1)
+    if shifted:  # each position's target already (context parallelism's cut)
+        targets = labels.reshape(-1)
+    else:
+        targets = torch.full_like(labels, IGNORE_INDEX)
+        targets[..., :-1] = labels[..., 1:]
+        targets = targets.reshape(-1)
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     flat = hidden.reshape(-1, hidden.shape[-1])
@@ -144,10 +149,13 @@ class FusedLossHead(nn.Linear):
     chunk_tokens: int = 128
     _pending: tuple | None = None
     _eval_labels: torch.Tensor | None = None
+    _eval_shifted: bool = False  # _eval_labels are each position's target (context parallelism's cut)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._eval_labels is not None:
-            return chunked_eval_sums(hidden, self.weight, self._eval_labels, self.chunk_tokens)
+            return chunked_eval_sums(
+                hidden, self.weight, self._eval_labels, self.chunk_tokens, shifted=self._eval_shifted
+            )
         if self._pending is None:  # generation: ordinary logits
             return super().forward(hidden)
         labels, num_items, *shifted = self._pending  # shifted: labels already each position's target (cp's cut)
@@ -159,7 +167,7 @@ class FusedLossHead(nn.Linear):
         try:
             yield
         finally:
-            self._eval_labels = None
+            self._eval_labels, self._eval_shifted = None, False
 
     @contextlib.contextmanager
     def targets(self, labels: torch.Tensor, num_items):

@@ -10,7 +10,8 @@ The gradients are averaged over the dp x cp ranks like data-parallel ones (DDP, 
 them: the weights are replicated or sharded over dp x cp, as torchtitan's dp_shard_cp mesh).
 
 Rank order: cp innermost, rank = data_index * cp + cp_index (ParallelDims.coords' dp index is the rank's
-place among the weights' dp x cp replicas). The held-out evaluation runs whole sequences on every rank.
+place among the weights' dp x cp replicas). The held-out evaluation through the chunked head (train.fused_loss)
+is cut the same way and its sums added over the cp ranks; through transformers' own loss it runs whole sequences.
 What does not compose yet is refused by name (spec/parallel.py for the layout, runnable here for the rest).
 """
 
@@ -30,6 +31,11 @@ def local_seq(r: Resolved) -> int:
     """The tokens of each sequence a rank runs its layers on in a training step: 1/cp of them (evaluation
     and generation run whole sequences)."""
     return r.batch.seq_len // r.dims.cp if r.training else r.batch.seq_len
+
+
+def eval_seq(r: Resolved, fused: bool) -> int:
+    """The tokens of each held-out row a rank's forward runs: 1/cp of them through the chunked head, else all."""
+    return r.batch.seq_len // r.dims.cp if fused else r.batch.seq_len
 
 
 def on(cfg: RunConfig) -> bool:
@@ -64,7 +70,7 @@ def refuse(r: Resolved) -> None:
 def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
     if dims.cp == 1:
         return
-    from trainplan.features import activation_offload, qlora, step_in_backward
+    from trainplan.features import qlora, step_in_backward
 
     if cfg.mode == "inference":
         raise NotRunnable(
@@ -75,7 +81,6 @@ def runnable(cfg: RunConfig, dims: ParallelDims, *, cuda: bool) -> None:
         )
     untried = [
         ("mode", "QLoRA (bitsandbytes' 4-bit layers)", qlora.on(cfg)),
-        ("memory.offload_activations", "activation offload", activation_offload.on(cfg)),
         ("train.step_in_backward", "the optimizer step in backward", step_in_backward.on(cfg)),
     ]
     for field, what, on_ in untried:

@@ -4,7 +4,8 @@ A forward pre-hook on the causal LM cuts the training micro-batch to this rank's
 position ids, and the labels shifted by one before the cut, so no target is lost at a slice's edge) and hands
 attention (run/attention.py) the documents of the whole sequence and the all-to-all pair; a forward hook sums
 the loss over the cp ranks (backward passes each rank its own share's gradient). Evaluation and generation see
-whole sequences. Applied after the other converters' hooks: it reads the batch as the model is called.
+whole sequences, but for the chunked head's held-out sums, which are cut and summed as the loss is. Applied after
+the other converters' hooks: it reads the batch as the model is called.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def shift(labels: torch.Tensor) -> torch.Tensor:
 
 
 class Split:
-    """The hooks of one rank: cut the batch going in, sum the loss coming out."""
+    """The hooks of one rank: cut the batch going in, sum the loss (or the held-out sums) coming out."""
 
     def __init__(self, group, cp: int, index: int):
         self.group, self.cp, self.index = group, cp, index
@@ -89,8 +90,12 @@ class Split:
         self.cut = False
 
     def before(self, module: nn.Module, args, kwargs):
+        from trainplan.run.loss import fused_head
+
         ids = kwargs.get("input_ids")
-        self.cut = module.training and torch.is_grad_enabled() and ids is not None
+        head = fused_head(module)
+        evaluating = head is not None and head._eval_labels is not None  # the chunked head's held-out sums
+        self.cut = ids is not None and (evaluating or (module.training and torch.is_grad_enabled()))
         positions = kwargs.get("position_ids")
         from trainplan import _torch_private as P
 
@@ -111,9 +116,8 @@ class Split:
         labels = kwargs.get("labels")
         if labels is not None:
             kwargs.update(labels=labels[:, part], shift_labels=shift(labels)[:, part].contiguous())
-        from trainplan.run.loss import fused_head
-
-        head = fused_head(module)
+        if evaluating:
+            head._eval_labels, head._eval_shifted = shift(head._eval_labels)[:, part].contiguous(), True
         if head is not None and head._pending is not None:
             targets, num_items = head._pending[:2]
             head._pending = (shift(targets)[:, part].contiguous(), num_items, True)
@@ -125,7 +129,7 @@ class Split:
             return output
         if getattr(output, "loss", None) is not None:
             output.loss = _SumOverCP.apply(output.loss, self.group)
-        elif output.logits.dim() == 0:  # the fused head's loss
+        elif output.logits.dim() <= 1:  # the fused head's loss, or its held-out sums
             output.logits = _SumOverCP.apply(output.logits, self.group)
         return output
 

@@ -27,15 +27,8 @@ class _TiledMLP(torch.autograd.Function):
         ctx.autocast = _autocast_state(ctx.device)
         ctx.rng = torch.get_rng_state(), torch.cuda.get_rng_state() if x.is_cuda else None  # dropout, replayed
         ctx.save_for_backward(x, *params)
-        out = None
         with torch.no_grad():
-            for i, part in enumerate(x.chunk(n, dim=-2)):
-                y = mlp.forward_whole(part)
-                if out is None:
-                    out = y.new_empty((*x.shape[:-1], y.shape[-1]))
-                out.narrow(-2, i * x.chunk(n, dim=-2)[0].shape[-2], y.shape[-2]).copy_(y)
-                del y
-        return out
+            return _tiles_without_grad(mlp, x, n)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -72,12 +65,26 @@ class _TiledMLP(torch.autograd.Function):
         return x_grad, None, None, *param_grads
 
 
+def _tiles_without_grad(mlp: nn.Module, x: torch.Tensor, n: int) -> torch.Tensor:
+    out, at = None, 0
+    for part in x.chunk(n, dim=-2):
+        y = mlp.forward_whole(part)
+        if out is None:
+            out = y.new_empty((*x.shape[:-1], y.shape[-1]))
+        out.narrow(-2, at, y.shape[-2]).copy_(y)
+        at += y.shape[-2]
+        del y
+    return out
+
+
 def tile(mlp: nn.Module, hidden_size: int) -> None:
     """Make `mlp`'s forward the tiled one; its own stays as forward_whole (one tile's)."""
     mlp.forward_whole = mlp.forward
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():  # evaluation, generation: nothing is saved, nothing to tile
+        if not torch.is_grad_enabled():  # evaluation: nothing is saved; a tile's intermediates at a time
+            if not mlp.training and x.shape[-2] > hidden_size:
+                return _tiles_without_grad(mlp, x, tiled_mlp.tiles(x.shape[-2], hidden_size))
             return mlp.forward_whole(x)
         params = [p for p in mlp.parameters() if p.requires_grad]
         return _TiledMLP.apply(x, mlp, tiled_mlp.tiles(x.shape[-2], hidden_size), *params)
