@@ -162,3 +162,27 @@ def test_bad_input_is_one_line_naming_the_flag(capsys, tmp_path, argv, pattern):
     assert rc == 2 and captured.out == "" and not out.exists()
     assert captured.err.splitlines() == [captured.err.strip()]
     assert captured.err.startswith(f"trainplan advise: error: {pattern}")
+
+
+def _reach(capsys, tmp_path, gpus: str, mode: str) -> dict:
+    """advise --maximize seq as issue 67 asks it: RoPE extended, 2 TiB of host RAM a node; row 1 written, which
+    `trainplan train` runs (advise says so of a row it does not)."""
+    argv = ["meta-llama/Llama-3.1-8B", "--maximize", "seq", "--gpus", gpus, "--mode", mode]
+    argv += ["--set", "model.extend_context=true", "--set", "hardware.host_mem=2TiB"]
+    rc, doc = advise(capsys, *argv, "--out", str(tmp_path / f"{gpus}-{mode}.toml"))
+    assert rc == 0 and not doc["notes"], doc["notes"]
+    return doc["entries"][0]
+
+
+def test_the_longest_context_reaches_the_fields_layouts(capsys, tmp_path):
+    """Issue 67's reach: the first row (one that `trainplan train` runs: rows it does not run come after) is the
+    field's layout at its length. LoRA on one H100 and full fine-tuning on 8 take the tiled MLP and the checkpoints
+    in host memory, the 8 GPUs context parallelism over all of them (ALST: 500K and 3.7M). Full fine-tuning on one
+    H100 moves its shards and optimizer to the host too; the device still holds FSDP2's offload overhead measured
+    on the one GPU row (1.16x the stored parameters, docs/gpu-validation.md), which keeps it under ALST's 500K."""
+    lora = _reach(capsys, tmp_path, "1xH100-80GB", "lora")
+    assert lora["seq_len"] >= 500_000 and lora.get("tiled_mlp") and lora.get("offload_checkpoints")
+    full8 = _reach(capsys, tmp_path, "8xH100-80GB", "full")
+    assert full8["seq_len"] >= 3_700_000 and full8["cp"] == 8 and full8["strategy"] == "zero3"
+    full1 = _reach(capsys, tmp_path, "1xH100-80GB", "full")
+    assert full1["seq_len"] >= 450_000 and full1.get("offload_optimizer") and full1.get("tiled_mlp")

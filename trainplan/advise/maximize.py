@@ -227,21 +227,25 @@ def long_context(ladder: list[Rung], request: Request, devices: list[DeviceSpec]
                     if request.global_batch is None or request.global_batch % (rung.dp // cp) == 0:
                         degrees.append(cp)
         tiled = [False] + ([True] if rung.ac and host and not spec.mlp.num_experts and spec.layer_fit is None else [])
+        # a full fine-tune's ZeRO-3 with its shards and optimizer in host memory (ALST's single-GPU layout)
+        hosted = [False] + ([True] if rung.mode == "full" and host and rung.strategy in ("ddp", "zero3") else [])
         for cp in degrees:
             for long in tiled:
-                if cp == 1 and not long:
-                    continue  # the ladder's own rung
-                strategy = rung.strategy if rung.dp > 1 else ("ddp" if cp == 1 else "zero3")
-                out.append(
-                    replace(
-                        rung,
-                        cp=cp,
-                        strategy=strategy,
-                        tiled_mlp=long,
-                        offload_checkpoints=long,
-                        key=(*rung.key, cp, long),
+                for on_host in hosted:
+                    if cp == 1 and not long and not on_host:
+                        continue  # the ladder's own rung
+                    strategy = rung.strategy if rung.dp > 1 else ("ddp" if cp == 1 else "zero3")
+                    out.append(
+                        replace(
+                            rung,
+                            cp=cp,
+                            strategy="zero3" if on_host else strategy,
+                            tiled_mlp=long,
+                            offload_checkpoints=long,
+                            offload_optimizer=on_host,
+                            key=(*rung.key, cp, long, on_host),
+                        )
                     )
-                )
     return out
 
 

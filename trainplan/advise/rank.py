@@ -21,7 +21,7 @@ from trainplan.plan.ledger import Ledger
 from trainplan.resolve import NotRunnable, model_facts, require_runnable, resolve
 from trainplan.spec.devices import DeviceSpec, GiB
 from trainplan.spec.model import ModelSpec
-from trainplan.spec.parallel import ParallelDims
+from trainplan.spec.parallel import PARAM_SHARDING_STRATEGIES, ParallelDims
 
 SCHEMA = "trainplan.advise/1"
 
@@ -76,7 +76,7 @@ def train_blocker(s: Search, o: Outcome) -> str:
 
 def rung_blocker(cfg: C.RunConfig, r: Rung, spec: ModelSpec, devices: list[DeviceSpec]) -> str:
     """train_blocker for a rung's config as it will be written."""
-    strategy = r.strategy if r.dp > 1 else "single"
+    strategy = r.strategy if r.dp > 1 or r.strategy in PARAM_SHARDING_STRATEGIES else "single"  # FSDP2 on one rank
     dims = ParallelDims(world_size=r.dp * r.tp * r.pp, dp=r.dp, tp=r.tp, pp=r.pp, strategy=strategy, cp=r.cp)
     try:
         require_runnable(cfg, dims, cuda=all(d.is_gpu for d in devices), **model_facts(spec))
@@ -128,6 +128,7 @@ def rung_json(r: Rung) -> dict:
         | ({"cp": r.cp} if r.cp > 1 else {})
         | ({"tiled_mlp": True} if r.tiled_mlp else {})
         | ({"offload_checkpoints": True} if r.offload_checkpoints else {})
+        | ({"offload_optimizer": True} if r.offload_optimizer else {})
     )
 
 

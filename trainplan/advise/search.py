@@ -80,6 +80,7 @@ class Rung:
     cp: int = 1
     tiled_mlp: bool = False
     offload_checkpoints: bool = False
+    offload_optimizer: bool = False  # ZeRO-3 with the parameter shards and the optimizer in host memory
     key: tuple = field(default=(), compare=False)  # position on the ladder
 
     def config(self, base: C.RunConfig, micro_batch: int, global_batch: int) -> C.RunConfig:
@@ -94,7 +95,9 @@ class Rung:
             batch=C.BatchConfig(
                 micro_batch_size=micro_batch, global_batch_size=global_batch, seq_len=base.batch.seq_len
             ),
-            parallel=C.ParallelConfig(strategy=self.strategy, tp=self.tp, pp=self.pp, cp=self.cp),
+            parallel=C.ParallelConfig(
+                strategy=self.strategy, tp=self.tp, pp=self.pp, cp=self.cp, offload_optimizer=self.offload_optimizer
+            ),
             memory=replace(
                 base.memory,
                 activation_checkpointing=self.ac,
@@ -118,6 +121,7 @@ class Rung:
             [f"tp {self.tp}"] * (self.tp > 1) + [f"pp {self.pp}"] * (self.pp > 1) + [f"cp {self.cp}"] * (self.cp > 1)
         )
         parts += ["tiled MLP"] * self.tiled_mlp + ["checkpoints in host memory"] * self.offload_checkpoints
+        parts += ["optimizer in host memory"] * self.offload_optimizer
         return ", ".join(parts)
 
 
