@@ -149,6 +149,13 @@ MATRIX = [
     # given statically (as `trainplan trace` runs it), 1F1B over 2 micro-batches, against the plan's rank 0
     ("Llama-3.2-3B", "full", "bf16", 1, 4096, True, ("parallel.pp=2", "batch.grad_accum_steps=2")),
 ]
+# issue 67, long context on one GPU: 64K tokens with the tiled MLP under checkpointing (no s x s mask: SDPA's flash
+# kernel), and rank 0 of context parallelism 2 at 128K, its peer faked (the all-to-alls allocate what real ones do)
+LONG_CONTEXT = [
+    ("Llama-3.2-1B", "lora", "amp-bf16", 1, 65536, True, ("memory.tiled_mlp=true",)),
+    ("Llama-3.2-1B", "lora", "amp-bf16", 1, 131072, True, ("parallel.cp=2", "memory.tiled_mlp=true")),
+]
+MATRIX += LONG_CONTEXT
 SMOKE_MODEL = preset_config("tiny-llama")  # the tiny Llama of `trainplan devices`' determinism check
 SMOKE_MATRIX = [
     ("tiny-llama", "full", "fp32", 2, 32, False),
@@ -175,8 +182,8 @@ def row_settings(row, model_source: str, gpus: str) -> list[str]:
     from trainplan.config import toml_literal
 
     _, mode, precision, micro, seq, ac, extra = unpack(row)
-    split = [int(x.split("=")[1]) for x in extra if x.startswith(("parallel.tp=", "parallel.pp="))]
-    if split:  # the plan's world: tp x pp devices of this kind (the row measures rank 0, its peers faked)
+    split = [int(x.split("=")[1]) for x in extra if x.startswith(("parallel.tp=", "parallel.pp=", "parallel.cp="))]
+    if split:  # the plan's world: tp x pp x cp devices of this kind (the row measures rank 0, its peers faked)
         gpus = f"{math.prod(split)}x{gpus}"
     return [
         f"model.source={toml_literal(model_source)}",
@@ -259,7 +266,8 @@ def measure_row(cfg, r, device, steps: int, snapshot: Path | None = None) -> dic
     from trainplan.run import dist
 
     env = dist.DistEnv(rank=0, world=1, local_rank=device.index or 0, device=device)
-    if r.dims.tp > 1 or r.dims.pp > 1:  # rank 0 of the split, its peers faked: a collective allocates, sends nothing
+    if r.dims.tp > 1 or r.dims.pp > 1 or r.dims.cp > 1:  # rank 0 of the split, its peers faked: a collective
+        # allocates, sends nothing (cp: the all-to-alls; the LoRA adapters' DDP buckets are planned, not wrapped)
         with P.fake_process_group(r.dims.world_size):
             env = dist.DistEnv(rank=0, world=r.dims.world_size, local_rank=device.index or 0, device=device)
             return _measure(cfg, r, device, steps, mesh=dist.mesh(env, r.dims), snapshot=snapshot)
@@ -290,7 +298,7 @@ def _measure(cfg, r, device, steps: int, *, mesh, snapshot: Path | None = None) 
         torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     torch.manual_seed(0)
     host = features.optimizer_offload.on_host(r.dims)
-    if mesh is not None and not host:  # tp or pp: rank 0's split or stage built on meta, materialized on the device
+    if mesh is not None and not host:  # tp, pp or cp: rank 0's split, stage or slice built on meta, then materialized
         model = build.build_model(r.spec, cfg, r.precision, dims=r.dims, mesh=mesh, stage=0)
         model = build.materialize(model, device)
     elif mesh is not None:

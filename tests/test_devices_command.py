@@ -134,7 +134,8 @@ def test_gpu_matrix_covers_the_issue_and_fits_one_h200(bench_script):
 
     gv = bench_script("gpu_validate")
     assert len(gv.MATRIX) >= 16
-    _, modes, _, micro, seqs, ac, _ = (set(col) for col in zip(*map(gv.unpack, gv.MATRIX), strict=True))
+    short = [row for row in gv.MATRIX if row not in gv.LONG_CONTEXT]
+    _, modes, _, micro, seqs, ac, _ = (set(col) for col in zip(*map(gv.unpack, short), strict=True))
     assert (
         modes == {"inference", "full", "lora", "qlora"}
         and micro == {1, 4, 8}  # 8: a capacity-edge row (issue 34)
@@ -145,12 +146,13 @@ def test_gpu_matrix_covers_the_issue_and_fits_one_h200(bench_script):
         cfg = C.load(None, gv.row_settings(row, row[0], "H200-141GB"))
         assert 0.4e9 < resolve.resolve(cfg).spec.num_params < 8.5e9, row  # presets of 0.5B to 8B
         ledger = analytic.plan(cfg)
-        edge = row[4] > 4096  # the capacity-edge rows (issue 34), the only ones past seq 4096
+        edge = row[4] > 4096 and row not in gv.LONG_CONTEXT  # the capacity-edge rows (issue 34)
         if edge and not cfg.memory.expandable_segments:  # the default mode beside a capacity-edge row: the
             assert ledger.state != "FITS", row  # measurement is whether the run fits where the plan cannot say
         else:
             assert ledger.fits, (row, ledger.verdict())
-    edges = [row for row in gv.MATRIX if gv.OFF not in gv.unpack(row)[6] and row[4] > 4096]
+    edges = [row for row in short if gv.OFF not in gv.unpack(row)[6] and row[4] > 4096]
+    assert [row[4] for row in gv.LONG_CONTEXT] == [65536, 131072]  # issue 67's rows: 64K and more, planned to fit
     assert len(edges) == 2 and all(gv.unpack(row)[:6] + ((gv.OFF,),) in gv.MATRIX for row in edges)
 
 
