@@ -314,6 +314,24 @@ def torchrun_train(out, sets: list[str], nproc: int = 2) -> dict:
     return json.loads((out / "record.json").read_text())
 
 
+def tiny_of(tiny_run, tmp_path, config_cls, **extra) -> list[str]:
+    """A tiny pretrained model of another architecture (its saved weights, the run's tokenizer) and the
+    settings of a short run on it: micro-batch 4, 2 steps, its own derived-terms cache."""
+    import torch
+    import transformers
+
+    root, base = tiny_run
+    small = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+    small |= {"num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152, "max_position_embeddings": 256}
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config_cls(**(small | extra)))
+    model.save_pretrained(tmp_path / "w")
+    transformers.AutoTokenizer.from_pretrained(root / "weights").save_pretrained(tmp_path / "w")
+    sets = [*base, f"model.source={tmp_path / 'w'}", "model.init=auto", "batch.micro_batch_size=4"]
+    sets += ["train.steps=2", "train.eval_batches=1", "checkpoint.every=0"]
+    return [*sets, f"model.cache_dir={tmp_path / 'cache'}"]
+
+
 @pytest.fixture(scope="session")
 def torchrun():
     """torchrun_train: a multi-rank `trainplan train` and its record (tests marked multiprocess)."""

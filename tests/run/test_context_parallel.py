@@ -4,7 +4,7 @@ fp32 losses, each rank's phases are those of its plan and of `trainplan trace` (
 checkpoint written under dp 2 x cp 2 resumes bitwise on the same layout and on one process within 1e-5."""
 
 import pytest
-from conftest import pretrained
+from conftest import pretrained, tiny_of
 
 from trainplan import config as C
 from trainplan.commands.train import execute
@@ -58,6 +58,19 @@ def test_cp4_lora_on_packed_documents_reproduces_one_process(tiny_run, tmp_path,
     assert record["contract"]["passed"], record["contract"]["detail"]
     assert _losses(record) == pytest.approx(_losses(one), rel=1e-5)
     assert [s["grad_norm"] for s in record["steps"]] == pytest.approx([s["grad_norm"] for s in one["steps"]], rel=1e-5)
+    _phases_meet_plan_and_trace(record)
+
+
+def test_cp2_on_qwen3_reproduces_one_process(tiny_run, tmp_path, reference_run, torchrun):
+    """Qwen3 (q/k norms before the rotary, its attention given a sliding-window argument), cp 2 on packed
+    documents: the one process's losses, and each rank's phases its plan's and its trace's."""
+    import transformers
+
+    sets = [*tiny_of(tiny_run, tmp_path, transformers.Qwen3Config), "data.packing=document"]
+    one = reference_run(sets)
+    record = torchrun(tmp_path / "cp2", [*sets, "parallel.cp=2"])
+    assert _losses(record) == pytest.approx(_losses(one), rel=1e-5)
+    assert record["eval_after"]["loss"] == pytest.approx(one["eval_after"]["loss"], rel=1e-5)
     _phases_meet_plan_and_trace(record)
 
 

@@ -6,7 +6,7 @@ DCP), and a tp checkpoint loads on one process with the same weights."""
 import json
 
 import pytest
-from conftest import pretrained, run_advised_entry
+from conftest import pretrained, run_advised_entry, tiny_of
 
 from trainplan import config as C
 from trainplan.commands.train import execute
@@ -48,24 +48,6 @@ def test_tp2_reproduces_one_process_and_each_rank_meets_its_plan(tiny_run, tmp_p
         assert sum(trace.phases[phase].values()) == pytest.approx(got, rel=0.01), phase
 
 
-def _tiny(tiny_run, tmp_path, config_cls, **extra) -> list[str]:
-    """A tiny pretrained model of another architecture (its saved weights, the run's tokenizer) and the
-    settings of a short run on it: micro-batch 4, 2 steps, its own derived-terms cache."""
-    import torch
-    import transformers
-
-    root, base = tiny_run
-    small = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
-    small |= {"num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152, "max_position_embeddings": 256}
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config_cls(**(small | extra)))
-    model.save_pretrained(tmp_path / "w")
-    transformers.AutoTokenizer.from_pretrained(root / "weights").save_pretrained(tmp_path / "w")
-    sets = [*base, f"model.source={tmp_path / 'w'}", "model.init=auto", "batch.micro_batch_size=4"]
-    sets += ["train.steps=2", "train.eval_batches=1", "checkpoint.every=0"]
-    return [*sets, f"model.cache_dir={tmp_path / 'cache'}"]
-
-
 def _traced_as_rank_0(record: dict) -> None:
     """`trainplan trace`, rank 0 with its peer faked, allocates in each phase of the step what rank 0 measured."""
     trace, _ = traced.trace(C.from_dict(record["config"]))
@@ -91,7 +73,7 @@ def test_qwen3_under_tp2_derives_a_ranks_plan_reproduces_one_process_and_meets_i
     (measured: forward and backward 0.00 %, load -1.5 %, evaluate +1.4 %). The plan had refused tp here."""
     import transformers
 
-    sets = _tiny(tiny_run, tmp_path, transformers.Qwen3Config)
+    sets = tiny_of(tiny_run, tmp_path, transformers.Qwen3Config)
     ref = execute(C.load(None, [*sets, f"train.output_dir={tmp_path / 'one'}"]), quiet=True)[0].to_json()
     derived_one = set((tmp_path / "cache" / "derived").iterdir())
     record = torchrun(tmp_path / "tp", [*sets, "parallel.tp=2"])
@@ -106,7 +88,7 @@ def test_gemma2_under_tp2_scales_its_split_embedding_and_loads_within_its_plan(t
     padding row's zeroing gathered the split embedding whole: the load 4.9x its plan per rank)."""
     import transformers
 
-    sets = _tiny(tiny_run, tmp_path, transformers.Gemma2Config, tie_word_embeddings=True, pad_token_id=0)
+    sets = tiny_of(tiny_run, tmp_path, transformers.Gemma2Config, tie_word_embeddings=True, pad_token_id=0)
     ref = execute(C.load(None, [*sets, f"train.output_dir={tmp_path / 'one'}"]), quiet=True)[0].to_json()
     _tp2_meets_one_process_and_its_plan(torchrun(tmp_path / "tp", [*sets, "parallel.tp=2"]), ref)
 
@@ -248,7 +230,7 @@ def test_mixtral_under_tp2_splits_its_experts_packed_and_its_checkpoint_loads_wh
     process with the weights the tp run ended with."""
     import transformers
 
-    sets = _tiny(tiny_run, tmp_path, transformers.MixtralConfig, num_local_experts=4, num_experts_per_tok=2)
+    sets = tiny_of(tiny_run, tmp_path, transformers.MixtralConfig, num_local_experts=4, num_experts_per_tok=2)
     sets += ["mode=full"]  # the experts train
     ref = execute(C.load(None, [*sets, f"train.output_dir={tmp_path / 'one'}"]), quiet=True)[0].to_json()
     record = torchrun(tmp_path / "tp", [*sets, "parallel.tp=2", "checkpoint.every=2"])
@@ -275,7 +257,7 @@ def test_phi3_under_tp2_splits_its_fused_projections_by_parts(tiny_run, tmp_path
     on one process with the weights and optimizer states bit for bit."""
     import transformers
 
-    sets = [*_tiny(tiny_run, tmp_path, transformers.Phi3Config, num_key_value_heads=4), f"mode={mode}"]
+    sets = [*tiny_of(tiny_run, tmp_path, transformers.Phi3Config, num_key_value_heads=4), f"mode={mode}"]
     sets += ["lora.dropout=0.0"]  # as the Llama LoRA test: one process draws its dropout masks in another order
     ref = execute(C.load(None, [*sets, f"train.output_dir={tmp_path / 'one'}"]), quiet=True)[0].to_json()
     record = torchrun(tmp_path / "tp", [*sets, "parallel.tp=2", "checkpoint.every=2"])
