@@ -141,6 +141,13 @@ FLAG_CASES = [
         r"^parallel\.cp: context parallelism beside",
     ),
     (["train", "--gpus", "cpu", "--cp", "2"], r"^parallel\.cp: cp 2 does not divide the world size 1"),
+    # the tiled MLP where it cannot tile, and where nothing is saved to tile
+    (
+        ["plan", "--model", "Mixtral-8x7B", "--gpus", "8xH100-80GB", "--set", "memory.tiled_mlp=true"],
+        r"^memory\.tiled_mlp: mixtral's MLP is a mixture",
+    ),
+    (["plan", "--mode", "inference", "--set", "memory.tiled_mlp=true"], r"^memory\.tiled_mlp: inference saves nothing"),
+    (["plan", "--set", "memory.tiled_mlp=3"], r"^memory\.tiled_mlp: must be true or false"),
     (["plan", "--gpus", "cpu", "--global-batch", "3", "--micro-batch", "2"], r"^batch\.global_batch_size: 3 is not"),
     (["plan", "--mode", "qlora", "--gpus", "cpu"], r"^run\.mode: qlora needs CUDA GPUs"),
     (["plan", "--model", "GPT-2", "--seq", "100000000"], r"^batch\.seq_len: "),

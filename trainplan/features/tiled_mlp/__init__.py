@@ -25,9 +25,13 @@ def active(r: Resolved) -> bool:
     return on(r.cfg) and r.training
 
 
+MAX_TILES = 256  # a small hidden size would cut a long row into thousands of tiles, each a round of kernel launches
+
+
 def tiles(row_tokens: int, hidden_size: int) -> int:
-    """How many tiles a row of `row_tokens` is cut into: ALST's ceil(seq / hidden), at least one."""
-    return max(1, -(-row_tokens // hidden_size))
+    """How many tiles a row of `row_tokens` is cut into: ALST's ceil(seq / hidden), at least one, at most
+    MAX_TILES (Llama-3.1-8B's hidden 4096 reaches it at 1M tokens a rank)."""
+    return min(MAX_TILES, max(1, -(-row_tokens // hidden_size)))
 
 
 def tileable(spec: ModelSpec) -> str | None:
