@@ -603,3 +603,19 @@ def test_the_plan_reads_the_packing_from_the_datas_first_row(tmp_path):
     assert sources.packing(data(source=str(text)))[0] == "concat"
     assert sources.packing(data(source="default"))[0] == "concat"
     assert sources.packing(data(source=str(chat), packing="concat")) == ("concat", "data.packing")
+
+
+@pytest.mark.slow
+def test_packed_documents_at_64k_tokens_measure_as_planned():
+    """Issue 67, linear in s: tiny-llama on 65,536 tokens of packed documents (16 of 4,096 a row), a real step on
+    this CPU (real tensors through the engine's step, every storage tracked): its peak is the plan's within 0.1 %
+    (the issue asks 3 %); nothing of s x s exists to make it otherwise."""
+    cfg = C.load(
+        None,
+        ["model.source=tiny-llama", "hardware.gpus=cpu", "precision=fp32", "batch.seq_len=65536"]
+        + ["batch.micro_batch_size=1", "model.extend_context=true", "data.packing=document"],
+    )
+    result, r = traced.trace(cfg, real=True)
+    d = analytic.plan(r.cfg, r.spec).devices[0]
+    assert d.peak_allocated == pytest.approx(result.peak_bytes, rel=1e-3)
+    assert result.peak_bytes < 65536 * 65536  # one (s x s) bool mask alone would be 4 GiB

@@ -33,9 +33,16 @@ class PhasePeaks:
         self.current = None if name == "end" else name
 
 
-def two_documents(seq_len: int) -> tuple[int, int]:
-    """The documents of each row of a traced step on packed documents: two, of half the row each."""
-    return seq_len // 2, seq_len - seq_len // 2
+TRACED_DOCUMENT = 4096  # tokens: the longest document of a traced row of packed documents
+
+
+def row_documents(seq_len: int) -> tuple[int, ...]:
+    """The documents of each row of a traced step on packed documents: two halves of the row, or documents of
+    TRACED_DOCUMENT tokens in a longer one (the plan does not depend on their lengths; the trace's time does)."""
+    if seq_len <= 2 * TRACED_DOCUMENT:
+        return seq_len // 2, seq_len - seq_len // 2
+    whole, rest = divmod(seq_len, TRACED_DOCUMENT)
+    return (TRACED_DOCUMENT,) * whole + ((rest,) if rest else ())
 
 
 def two_steps(
@@ -55,7 +62,7 @@ def two_steps(
     # packed documents: transformers' mask code told they are (eager attention), and trainplan's attention
     # told where (fake position ids hold no values)
     b, s = micro_batches[0]["input_ids"].shape
-    documents = attention.documents([two_documents(s)] * b) if packed else contextlib.nullcontext()
+    documents = attention.documents([row_documents(s)] * b) if packed else contextlib.nullcontext()
     with peaks.tracker, P.packed_sequences() if packed else P.unpacked_sequences(), documents, kernels:
         for iteration in range(2):
             peaks.measuring = iteration == 1
@@ -132,7 +139,7 @@ def traced_step(
         # labels are their own tensor, as in training (prompt tokens masked with -100)
         micro_batches = [{"input_ids": ids, "labels": ids.clone()} for _ in range(micro_steps)]
         if sources.packing(r.cfg.data)[0] == "document":  # positions restarting per document
-            positions = torch.cat([torch.arange(n) for n in two_documents(batch.seq_len)])
+            positions = torch.cat([torch.arange(n) for n in row_documents(batch.seq_len)])
             for mb in micro_batches:
                 mb["position_ids"] = positions.expand(batch.micro_batch_size, -1).clone()
         pipeline = None
