@@ -23,6 +23,7 @@ OPTIONS = {
     "offload_activations": ("field", "offload_activations"),
     "checkpointing_policy": ("field", "checkpointing_policy"),
     "compile": ("field", "train.compile"),
+    "tiled_mlp": ("field", "tiled_mlp"),
 }
 OWNER = {
     "qlora": {"features/qlora/", "features/lora/"},  # lora: the adapter modes, QLoRA's too
@@ -32,6 +33,7 @@ OWNER = {
     "offload_activations": {"features/activation_offload/"},
     "checkpointing_policy": {"features/checkpointing/"},
     "compile": {"features/torch_compile/"},
+    "tiled_mlp": {"features/tiled_mlp/"},
 }
 # The exceptions, each with its reason.
 EVERYONE = {"config/schema.py"}  # the schema: declares every field, its accepted values, and checks each one's type

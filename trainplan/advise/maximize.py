@@ -240,9 +240,9 @@ def long_context(ladder: list[Rung], request: Request, devices: list[DeviceSpec]
                             rung,
                             cp=cp,
                             strategy="zero3" if on_host else strategy,
-                            tiled_mlp=long,
+                            tiled=long,
                             offload_checkpoints=long,
-                            offload_optimizer=on_host,
+                            host_optimizer=on_host,
                             key=(*rung.key, cp, long, on_host),
                         )
                     )

@@ -126,9 +126,9 @@ def rung_json(r: Rung) -> dict:
             "dp": r.dp,
         }
         | ({"cp": r.cp} if r.cp > 1 else {})
-        | ({"tiled_mlp": True} if r.tiled_mlp else {})
+        | ({"tiled_mlp": True} if r.tiled else {})
         | ({"offload_checkpoints": True} if r.offload_checkpoints else {})
-        | ({"offload_optimizer": True} if r.offload_optimizer else {})
+        | ({"optimizer_on_host": True} if r.host_optimizer else {})
     )
 
 

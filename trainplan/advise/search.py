@@ -78,9 +78,9 @@ class Rung:
     # the long-context rungs (advise --maximize seq, advise/maximize.py `long_context`): context parallelism
     # over cp of the dp ranks, the tiled MLP, and the checkpointed layers' inputs in host memory
     cp: int = 1
-    tiled_mlp: bool = False
+    tiled: bool = False  # memory.tiled_mlp
     offload_checkpoints: bool = False
-    offload_optimizer: bool = False  # ZeRO-3 with the parameter shards and the optimizer in host memory
+    host_optimizer: bool = False  # ZeRO-3 with the parameter shards and the optimizer in host memory
     key: tuple = field(default=(), compare=False)  # position on the ladder
 
     def config(self, base: C.RunConfig, micro_batch: int, global_batch: int) -> C.RunConfig:
@@ -96,16 +96,20 @@ class Rung:
                 micro_batch_size=micro_batch, global_batch_size=global_batch, seq_len=base.batch.seq_len
             ),
             parallel=C.ParallelConfig(
-                strategy=self.strategy, tp=self.tp, pp=self.pp, cp=self.cp, offload_optimizer=self.offload_optimizer
+                strategy=self.strategy, tp=self.tp, pp=self.pp, cp=self.cp, **self._on_host("offload_optimizer")
             ),
             memory=replace(
                 base.memory,
                 activation_checkpointing=self.ac,
-                tiled_mlp=self.tiled_mlp or base.memory.tiled_mlp,
-                offload_activations=True if self.offload_checkpoints else base.memory.offload_activations,
+                **({"tiled_mlp": True} if self.tiled else {}),
+                **({"offload_activations": True} if self.offload_checkpoints else {}),
             ),
             lora=lora,
         )
+
+    def _on_host(self, field: str) -> dict:
+        """The setting of a long-context rung that puts the optimizer on the host (features/optimizer_offload)."""
+        return {field: True} if self.host_optimizer else {}
 
     def short(self) -> str:
         """'LoRA r16 all-linear, amp-bf16, ZeRO-3/FSDP, checkpointing, tp 2'."""
@@ -120,8 +124,8 @@ class Rung:
         parts += (
             [f"tp {self.tp}"] * (self.tp > 1) + [f"pp {self.pp}"] * (self.pp > 1) + [f"cp {self.cp}"] * (self.cp > 1)
         )
-        parts += ["tiled MLP"] * self.tiled_mlp + ["checkpoints in host memory"] * self.offload_checkpoints
-        parts += ["optimizer in host memory"] * self.offload_optimizer
+        parts += ["tiled MLP"] * self.tiled + ["checkpoints in host memory"] * self.offload_checkpoints
+        parts += ["optimizer in host memory"] * self.host_optimizer
         return ", ".join(parts)
 
 

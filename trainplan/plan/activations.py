@@ -53,7 +53,7 @@ class ActContext:
     # of the heads (the same bytes, but KV heads fewer than cp repeated to cp) and returns its output to the
     # rank's slice through an all-to-all, a new tensor as packed documents' assembled output is
     cp: int = 1
-    tiled_mlp: bool = False  # memory.tiled_mlp: the MLP keeps its input only (features/tiled_mlp)
+    mlp_in_tiles: bool = False  # memory.tiled_mlp: the MLP keeps its input only (features/tiled_mlp)
     # data.packing "document": SDPA runs one document a call with no mask (run/attention.py), each call's
     # output written into one (b, s, heads, d) tensor; eager attention takes transformers' block-causal mask
     packed: bool = False
@@ -247,7 +247,7 @@ def mlp_saved(spec: ModelSpec, ctx: ActContext) -> list[SavedTensor]:
     out += _norm(norm_name, spec, ctx, rb)
     if spec.mlp.num_experts:
         out += _experts_saved(spec, ctx)
-    elif ctx.tiled_mlp:  # recomputed a tile at a time in backward from its input, which it keeps
+    elif ctx.mlp_in_tiles:  # recomputed a tile at a time in backward from its input, which it keeps
         out.append(SavedTensor(name="the tiled MLP's input (post-attention norm output)", nbytes=t * h * rb))
     else:
         out += _dense_mlp_saved(spec, ctx, norm_name)
@@ -261,7 +261,7 @@ def mlp_saved(spec: ModelSpec, ctx: ActContext) -> list[SavedTensor]:
 def tiled_mlp_recompute(spec: ModelSpec, ctx: ActContext, tile_seq: int) -> int:
     """What one tile of a tiled MLP saves while its backward recomputes it (features/tiled_mlp): the dense MLP's
     saved tensors for `tile_seq` tokens of each row."""
-    return total(_dense_mlp_saved(spec, replace(ctx, seq=tile_seq, tiled_mlp=False), "the tile's input"))
+    return total(_dense_mlp_saved(spec, replace(ctx, seq=tile_seq, mlp_in_tiles=False), "the tile's input"))
 
 
 def _dense_mlp_saved(spec: ModelSpec, ctx: ActContext, norm_name: str) -> list[SavedTensor]:

@@ -168,7 +168,7 @@ def _top_layer_mlp_backward(
     cb, tokens, inter = ctx.cb, ctx.tokens, ctx.inter
     formed = ctx.tensors.numel("top_down", ctx.tp, ctx.shards.g) if ctx.full else 0  # final norm, top down_proj
     formed_bytes = formed * ctx.prec.grad_bytes
-    top_down_in = tokens * inter * cb if ctx.full and not ctx.act.tiled_mlp else 0  # tiled: never saved
+    top_down_in = tokens * inter * cb if ctx.full and not ctx.act.mlp_in_tiles else 0  # tiled: never saved
     head_and_top = Bytes(
         ("the head's gradient", grads.head), ("the final norm's and the top down projection's", formed_bytes)
     )

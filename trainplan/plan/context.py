@@ -113,7 +113,7 @@ class RankContext:
     @property
     def mlp_tokens(self) -> int:
         """The tokens the MLP's working set spans: all of them, or one tile's under memory.tiled_mlp."""
-        if not self.act.tiled_mlp:
+        if not self.act.mlp_in_tiles:
             return self.tokens
         n = features.tiled_mlp.tiles(self.act.seq, self.spec.hidden_size)
         return self.act.batch * -(-self.act.seq // n)
@@ -123,7 +123,7 @@ class RankContext:
         """Under memory.tiled_mlp, what an MLP's backward adds to its intermediate gradients: one tile's
         recompute (the MLP's saved tensors for its tokens), the input's gradient, allocated whole, and under a
         full fine-tune the MLP's weight gradients twice (summed over the tiles, and one tile's)."""
-        if not self.act.tiled_mlp:
+        if not self.act.mlp_in_tiles:
             return 0
         n = features.tiled_mlp.tiles(self.act.seq, self.spec.hidden_size)
         tile = A.tiled_mlp_recompute(self.spec, self.act, -(-self.act.seq // n))
@@ -282,7 +282,7 @@ def _act_context(
         dropout_active=r.training,
         tp=r.dims.tp,
         cp=r.dims.cp if r.training else 1,
-        tiled_mlp=features.tiled_mlp.active(r),
+        mlp_in_tiles=features.tiled_mlp.active(r),
         packed=r.training and sources.packing(r.cfg.data)[0] == "document",
     )
 

@@ -111,7 +111,7 @@ def checkpointed_layer_forward(ctx: RankContext) -> Bytes:
     mlp = Bytes(
         ("the residual after attention and the MLP's normed input", 2 * t * h * ctx.residual),
         ("the MLP's intermediates", n_inter * ctx.mlp_tokens * ctx.inter * cb),
-        ("the tiled MLP's output, written a tile at a time", t * h * cb if act.tiled_mlp else 0),
+        ("the tiled MLP's output, written a tile at a time", t * h * cb if act.mlp_in_tiles else 0),
         ("eager attention's weights, still bound by the layer's forward", weights),
     )
     return mlp
