@@ -20,7 +20,7 @@ from trainplan.commands.train import execute
 from trainplan.errors import NotRunnable, TrainplanError
 from trainplan.features.pipeline_parallel import engine as pp
 from trainplan.plan import analytic, traced
-from trainplan.run import evaluate, loss, step
+from trainplan.run import attention, evaluate, loss, step
 from trainplan.run.checkpoint.format import _load_dcp
 from trainplan.run.data import IGNORE_INDEX
 from trainplan.run.record import RunRecord
@@ -100,7 +100,10 @@ def test_two_stages_of_1f1b_reproduce_one_process_accumulating_four_micro_batche
     piped = doc["steps"]
 
     # one process, the engine's own step: the same model, fused loss, optimizer and micro-batches
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).train()
+    attention.register()  # the attention train runs on packed documents, as the stages do (pp_worker.py)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", dtype=torch.float32, attn_implementation=attention.IMPLEMENTATION
+    ).train()
     loss.install(model, chunk)
     optimizer = step.build_optimizer(model, "adamw", "auto", lr, 0.0, "cpu")
     settings = step.StepSettings(prec=PRECISIONS["fp32"], device_type="cpu", max_grad_norm=max_norm)

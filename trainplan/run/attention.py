@@ -7,10 +7,11 @@ memory-efficient attention; the CPU's flash kernel, `_scaled_dot_product_flash_a
 of size s x s exists at any moment. Registered with transformers' AttentionInterface as IMPLEMENTATION and with
 no mask function, so the model's mask code returns None for it (masking_utils._preprocess_mask_arguments).
 
-Where the documents are: the model's position ids restart at 0 at each document. A caller that knows them
-better sets them with `documents(...)`: the trace, whose fake position ids hold no values, and context
-parallelism, whose ranks hold a slice of each sequence while attention sees all of it. Context parallelism
-also sets an `Exchange`, the all-to-all pair around the kernel (features/context_parallel/engine.py).
+Where the documents are: the position ids each layer is given restart at 0 at each document. Two callers set
+them instead (`documents(...)`, `set_layout`): context parallelism, whose ranks hold a slice of each sequence
+while attention sees all of it, with its `Exchange`, the all-to-all pair around the kernel
+(features/context_parallel/engine.py); and the trace, whose fake position ids hold no values. The model's
+forward pre-hook (`install`) reads them from its own arguments too, for a layer that is not given them.
 """
 
 from __future__ import annotations
@@ -77,16 +78,20 @@ def document_lengths(position_ids: torch.Tensor) -> tuple[tuple[int, ...], ...]:
 
 
 def _lengths(layout: Layout | None, position_ids, s: int, rows: int):
-    if layout is not None and layout.lengths is not None:
-        return layout.lengths
-    if position_ids is None or (layout is not None and layout.exchange is not None):
-        return ((s,),) * rows
+    """Each row's document lengths: context parallelism's (the whole rows', set as it cut them), else those of the
+    position ids the layer was given (real ones), else the trace's (fake ids hold no values), else one a row."""
     from trainplan import _torch_private as P
 
-    if P.is_fake(position_ids):  # internal: the trace sets the documents it lays out
+    if layout is not None and layout.exchange is not None:
+        return layout.lengths or ((s,),) * rows
+    if position_ids is not None and not P.is_fake(position_ids):
+        lengths = document_lengths(position_ids)
+        return lengths if len(lengths) == rows else lengths * rows  # (1, s) position ids shared by every row
+    if layout is not None and layout.lengths is not None:
+        return layout.lengths
+    if position_ids is not None:  # internal: the trace sets the documents it lays out
         raise AssertionError("packed documents traced without their lengths (run.attention.documents)")
-    lengths = document_lengths(position_ids)
-    return lengths if len(lengths) == rows else lengths * rows  # (1, s) position ids shared by every row
+    return ((s,),) * rows
 
 
 def _causal(q, k, v, dropout: float, scale, gqa: bool) -> torch.Tensor:
