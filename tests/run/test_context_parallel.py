@@ -94,3 +94,21 @@ def test_dp2_cp2_under_fsdp2_resumes_through_dcp_on_its_layout_and_on_one_proces
     alone = execute(C.load(None, [*sets, f"train.output_dir={tmp_path / 'c'}"]), quiet=True)[0].to_json()
     assert alone["resume"]["step"] == 2 and alone["resume"]["loaded"] == same["resume"]["loaded"]
     assert _losses(alone) == pytest.approx(_losses(record)[2:], rel=1e-5)
+
+
+def test_the_advisors_long_context_layout_runs_as_one_process(tiny_run, tmp_path, reference_run, torchrun):
+    """The layout advise --maximize seq writes for the longest context, in miniature: cp 2 under ZeRO-3 with the
+    shards and the optimizer in host memory, every layer checkpointed with its input in host memory, the tiled
+    MLP. Its losses are one process's with checkpointing alone, and each rank's phases its plan's."""
+    long = ["memory.activation_checkpointing=true", "memory.offload_activations=true", "memory.tiled_mlp=true"]
+    one = reference_run(pretrained(tiny_run, "memory.activation_checkpointing=true", "train.steps=3"))
+    layout = ["parallel.cp=2", "parallel.strategy=zero3", "parallel.offload_optimizer=true", *long]
+    record = torchrun(tmp_path / "long", pretrained(tiny_run, *layout, "train.steps=3"))
+    assert _losses(record) == pytest.approx(_losses(one), rel=1e-5)
+    assert all(m["offloaded_activation_bytes"] > 0 for m in record["memory"]["per_rank"])
+    ledger = analytic.plan(C.from_dict(record["config"]))
+    for rank, measured in enumerate(record["memory"]["per_rank"]):
+        assert measured["offloaded_activation_bytes"] == ledger.devices[rank].offloaded_activation_bytes
+        for phase in ("forward", "backward", "optimizer"):
+            got = sum(measured["phases"][phase].values())
+            assert sum(ledger.devices[rank].phases[phase].values()) == pytest.approx(got, rel=0.01), (rank, phase)
