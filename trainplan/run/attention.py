@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -44,9 +45,14 @@ class Layout:
 
     lengths: tuple[tuple[int, ...], ...] | None = None  # per row; None: one document a row
     exchange: Exchange | None = None
+    source: weakref.ref | None = None  # the position ids the lengths were read from, once for every layer
 
 
 _LAYOUT: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("trainplan_attention_layout", default=None)
+
+
+def current() -> Layout | None:
+    return _LAYOUT.get()
 
 
 def set_layout(layout: Layout | None) -> None:
@@ -77,6 +83,15 @@ def document_lengths(position_ids: torch.Tensor) -> tuple[tuple[int, ...], ...]:
     return tuple(rows)
 
 
+def documents_of(position_ids: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """document_lengths of these (real) position ids, read once a forward: the layout's, where the model's hook
+    read them from this very tensor, which every layer is given."""
+    layout = _LAYOUT.get()
+    if layout is not None and layout.source is not None and layout.source() is position_ids:
+        return layout.lengths
+    return document_lengths(position_ids)
+
+
 def _lengths(layout: Layout | None, position_ids, s: int, rows: int):
     """Each row's document lengths: context parallelism's (the whole rows', set as it cut them), else those of the
     position ids the layer was given (real ones), else the trace's (fake ids hold no values), else one a row."""
@@ -85,7 +100,7 @@ def _lengths(layout: Layout | None, position_ids, s: int, rows: int):
     if layout is not None and layout.exchange is not None:
         return layout.lengths or ((s,),) * rows
     if position_ids is not None and not P.is_fake(position_ids):
-        lengths = document_lengths(position_ids)
+        lengths = documents_of(position_ids)
         return lengths if len(lengths) == rows else lengths * rows  # (1, s) position ids shared by every row
     if layout is not None and layout.lengths is not None:
         return layout.lengths
@@ -153,12 +168,12 @@ def _from_the_batch(module, args, kwargs):
     if position_ids is None:
         set_layout(Layout())
     elif not P.is_fake(position_ids):
-        set_layout(Layout(document_lengths(position_ids)))
+        set_layout(Layout(document_lengths(position_ids), source=weakref.ref(position_ids)))
 
 
 def install(model) -> None:
-    """Read each batch's documents as the model (a causal LM, or PEFT's wrapper of one, which calls the causal
-    LM's forward directly, past its hooks) is called."""
+    """Read each batch's documents once, as the model (a causal LM, or PEFT's wrapper of one, which calls the
+    causal LM's forward directly, past its hooks) is called, for every layer given the same position ids."""
     model.register_forward_pre_hook(_from_the_batch, with_kwargs=True)
 
 

@@ -100,9 +100,9 @@ class Split:
         from trainplan import _torch_private as P
 
         if positions is not None and not P.is_fake(positions):
-            lengths = attention.document_lengths(positions)
+            lengths = attention.documents_of(positions)  # read by the attention's own hook already
         else:  # none (every row one document) or fake (the trace has set them)
-            current = attention._LAYOUT.get()
+            current = attention.current()
             lengths = current.lengths if positions is not None and current is not None else None
         if not self.cut:
             attention.set_layout(attention.Layout(lengths))
