@@ -112,11 +112,14 @@ class RankContext:
 
     @property
     def mlp_tokens(self) -> int:
-        """The tokens the MLP's working set spans: all of them, or one tile's under memory.tiled_mlp."""
+        """The tokens the MLP's working set spans in a training step: all, or one tile's under memory.tiled_mlp."""
+        return self.mlp_tokens_at(self.act.batch, self.act.seq)
+
+    def mlp_tokens_at(self, rows: int, seq: int) -> int:
+        """The same for `rows` rows of `seq` tokens (evaluation's own)."""
         if not self.act.mlp_in_tiles:
-            return self.tokens
-        n = features.tiled_mlp.tiles(self.act.seq, self.spec.hidden_size)
-        return self.act.batch * -(-self.act.seq // n)
+            return rows * seq
+        return rows * -(-seq // features.tiled_mlp.tiles(seq, self.spec.hidden_size))
 
     @property
     def mlp_tile_backward(self) -> int:

@@ -75,9 +75,7 @@ def forward_working_set(ctx: T.RankContext) -> tuple[int, int, int, int]:
     whole = mb * batch.seq_len
     inputs = 2 * whole * 8 + (whole * 8 + tokens * 8 if seq != batch.seq_len else 0)  # + the cut's shifted labels
     h, inter = spec.hidden_size, spec.intermediate_size // tp
-    mlp_tokens = tokens
-    if ctx.act.mlp_in_tiles and seq > h:  # the tiled MLP runs a tile at a time, into one output
-        mlp_tokens = mb * -(-seq // features.tiled_mlp.tiles(seq, h))
+    mlp_tokens = ctx.mlp_tokens_at(mb, seq)  # the tiled MLP runs a tile at a time, into one output
     layer = 3 * tokens * h * cb + 3 * mlp_tokens * inter * cb + (tokens * h * cb if mlp_tokens != tokens else 0)
     if not ctx.last:
         return inputs, layer, 0, 0
