@@ -105,6 +105,25 @@ def test_the_bill_is_the_plan_s(make_cfg):
     assert cpu.host_bytes == cpu.device_bytes  # a CPU rank's device is host memory
 
 
+def test_a_declared_host_memory_too_small_for_the_offloaded_checkpoints_is_refused_by_name(make_cfg):
+    """Checkpoints in host memory on a GPU: the plan's host column holds them, and a hardware.host_mem
+    that cannot is the user's figure to fix (exit 2, one line), where the plan itself says DOES NOT FIT."""
+    from trainplan.errors import ConfigError
+
+    sets = {"model__source": "tiny-llama", "hardware__gpus": "1xH100-80GB", "batch__seq_len": 4096}
+    sets |= {"memory__activation_checkpointing": True, "memory__offload_activations": True}
+    enough = make_cfg(**sets, hardware__host_mem="64GiB")
+    host = plan(enough).host
+    assert host.components["activations"] > 1 * MiB and host.state == "FITS"
+    assert preflight_bill(enough).host_bytes[0] >= host.components["activations"]
+    short = make_cfg(**sets, hardware__host_mem="1MiB")
+    assert plan(short).host.state == "DOES NOT FIT"
+    with pytest.raises(ConfigError, match=r"^hardware\.host_mem: 1MiB cannot hold the .* offloads to a node's host") as e:
+        preflight_bill(short)
+    assert "\n" not in str(e.value) and "memory.offload_activations = false" in str(e.value)
+    assert preflight_bill(make_cfg(**sets)).host_bytes[0] > 0  # undeclared: the preflight measures this machine
+
+
 def test_a_run_is_stopped_before_its_model_is_built(tiny_run, tmp_path, monkeypatch):
     from trainplan.commands.train import execute
     from trainplan.run import weights

@@ -4,11 +4,12 @@ the config the run resolved. The engine cannot import the planner, so `trainplan
 from __future__ import annotations
 
 from trainplan import config as C
+from trainplan.errors import ConfigError
 from trainplan.plan.analytic import plan
 from trainplan.plan.ledger import DeviceLedger
 from trainplan.resolve import resolve
 from trainplan.run.preflight import Bill
-from trainplan.spec.devices import MiB
+from trainplan.spec.devices import MiB, format_gib
 
 
 def preflight_bill(cfg: C.RunConfig) -> Bill:
@@ -32,6 +33,7 @@ def preflight_bill(cfg: C.RunConfig) -> Bill:
     r = resolve(cfg)
     ledger = plan(cfg)
     hw = cfg.hardware
+    _refuse_short_host(ledger.host, hw.host_mem)
     device_bytes, margin_bytes, host_bytes = [], [], []
     for rank, d in enumerate(ledger.devices):
         resident = (hw.cpu_runtime_mib if d.device.kind == "cpu" else hw.cuda_context_mib) * MiB
@@ -56,3 +58,18 @@ def preflight_bill(cfg: C.RunConfig) -> Bill:
 def _most(d: DeviceLedger, component: str) -> int:
     """A component's largest figure over the rank's phases."""
     return max(phase.get(component, 0) for phase in d.phases.values())
+
+
+def _refuse_short_host(host: DeviceLedger | None, declared: str | None) -> None:
+    """A declared hardware.host_mem that cannot hold what the plan offloads to a node's host memory is
+    the user's figure to fix before anything runs (undeclared, the preflight measures this machine's)."""
+    if host is None or not declared or host.need_bytes <= host.usable_bytes:
+        return
+    what = " and ".join(c for c in ("optimizer", "activations") if host.components.get(c))
+    raise ConfigError(
+        "hardware.host_mem",
+        f"{declared} cannot hold the {format_gib(host.need_bytes)} the plan offloads to a node's host memory "
+        f"({what} of every rank on the node, {format_gib(host.usable_bytes)} usable)",
+        "give the node's real RAM, or offload less (memory.offload_activations = false or "
+        "parallel.offload_optimizer = false)",
+    )
