@@ -72,6 +72,30 @@ def test_every_other_command_collects_from_the_start_of_its_run(monkeypatch, hel
     assert seen == [(True, 1)]
 
 
+def test_an_advise_search_pauses_collection_and_resumes_it(monkeypatch, capsys, tmp_path):
+    """The search plans with the collector off (startup.paused) and turns it back on, even when the
+    search fails; a collector that was off before stays off."""
+    from trainplan.advise import search
+
+    seen = []
+    climb = search._climb
+    monkeypatch.setattr(search, "_climb", lambda *a: seen.append(gc.isenabled()) or climb(*a))
+    assert cli.main(["advise", "tiny-llama", "--gpus", "cpu", "--seq", "64"]) == 0
+    assert seen and not any(seen) and gc.isenabled()
+    monkeypatch.setattr(search, "_climb", lambda *a: 1 / 0)
+    monkeypatch.setenv("HOME", str(tmp_path))  # the internal error's traceback file goes there
+    assert cli.main(["advise", "tiny-llama", "--gpus", "cpu", "--seq", "64"]) == 4  # an internal error
+    assert gc.isenabled()
+    capsys.readouterr()
+    gc.disable()
+    try:
+        with startup.paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_main_in_a_test_process_leaves_the_collector_alone(freezes, capsys):
     assert cli.main(["plan", "--model", "tiny-llama", "--gpus", "cpu", "--json"]) == 0
     assert gc.isenabled() and freezes == []

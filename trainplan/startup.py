@@ -12,6 +12,8 @@ a test's process, leaves the collector alone.
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 _held = False
 
@@ -36,3 +38,18 @@ def release() -> None:
 def leave() -> None:
     """The process is about to exit: finalization need not walk what it drops."""
     gc.freeze()
+
+
+@contextmanager
+def paused() -> Iterator[None]:
+    """Planning many candidates (an advise search): collection waits until the search is done. The
+    search makes a few hundred thousand short-lived containers, which refcounting frees, and few cycles
+    (about 20,000 objects, 3 MB, for the 70B search); the collector's walks over the young ones took a
+    quarter of its time. Where collection was already off (held), it stays off."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

@@ -118,7 +118,9 @@ def test_a_declared_host_memory_too_small_for_the_offloaded_checkpoints_is_refus
     assert preflight_bill(enough).host_bytes[0] >= host.components["activations"]
     short = make_cfg(**sets, hardware__host_mem="1MiB")
     assert plan(short).host.state == "DOES NOT FIT"
-    with pytest.raises(ConfigError, match=r"^hardware\.host_mem: 1MiB cannot hold the .* offloads to a node's host") as e:
+    with pytest.raises(
+        ConfigError, match=r"^hardware\.host_mem: 1MiB cannot hold the .* offloads to a node's host"
+    ) as e:
         preflight_bill(short)
     assert "\n" not in str(e.value) and "memory.offload_activations = false" in str(e.value)
     assert preflight_bill(make_cfg(**sets)).host_bytes[0] > 0  # undeclared: the preflight measures this machine

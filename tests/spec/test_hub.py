@@ -81,3 +81,28 @@ def test_a_hub_cache_id_plans_and_trains(tiny_run, tmp_path):
     assert records[REPO]["config"]["model"]["source"] == REPO
     # the run by id started from the cached weights: the same held-out loss before training
     assert records[REPO]["eval_before"]["loss"] == records[str(snapshot)]["eval_before"]["loss"]
+
+
+def test_the_cache_is_read_as_huggingface_hub_reads_it_and_a_fifo_ref_blocks_nothing(tmp_path, monkeypatch, tiny_run):
+    """trainplan reads the cache's layout itself (refs/main names the snapshot), as
+    `snapshot_download(local_files_only=True)` does; a ref that is not a regular file, or not a commit's
+    hash, is no snapshot (the preset of that id is planned instead), and nothing blocks on a FIFO."""
+    from huggingface_hub import constants, snapshot_download
+
+    from trainplan.spec import hub
+
+    root, _ = tiny_run
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    snapshot = hub_cache(tmp_path / "hf", root / "weights")
+    assert hub.cached_snapshot(REPO) == snapshot == type(snapshot)(snapshot_download(REPO, local_files_only=True))
+    ref = snapshot.parents[1] / "refs" / "main"
+    ref.write_text("../../elsewhere")
+    assert hub.cached_snapshot(REPO) is None
+    ref.unlink()
+    os.mkfifo(ref)
+    assert hub.cached_snapshot(REPO) is None
+    preset = "meta-llama/Llama-3.1-8B"
+    fifo = tmp_path / "hf" / "hub" / ("models--" + preset.replace("/", "--")) / "refs" / "main"
+    fifo.parent.mkdir(parents=True)
+    os.mkfifo(fifo)
+    assert M.load_model_spec(preset).name == preset

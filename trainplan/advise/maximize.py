@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from trainplan import config as C
+from trainplan import startup
 from trainplan.advise.estimate import StepEstimate, estimate
 from trainplan.advise.rank import fit_margin, peak_json, rung_json
 from trainplan.advise.search import MAX_MICRO_BATCH, Request, Rung, micro_batches, overflow, peak_fraction, rungs
@@ -106,13 +107,16 @@ class _Probe:
 
     def __init__(self, m: Maximized):
         self.m, self.evaluated = m, 0
+        self._seq: list[int] | None = None
         self._base: dict[Rung, C.RunConfig] = {}
         self._ledgers: dict[tuple[Rung, int], Ledger | str] = {}
 
     def values(self, rung: Rung) -> list[int]:
         m = self.m
-        if m.axis == "seq":
-            return seq_values(m.cap)
+        if m.axis == "seq":  # every rung's the same: made once (8M tokens is 31,250 of them)
+            if self._seq is None:
+                self._seq = seq_values(m.cap)
+            return self._seq
         if m.global_batch is None:
             return list(range(1, MAX_MICRO + 1))
         return micro_batches(m.global_batch // rung.dp)
@@ -281,7 +285,8 @@ def maximize(request: Request, axis: str, *, micro_batch: int = 1, fixed_global_
     ladder = rungs(request.spec, devices, request.modes, request.global_batch)
     if axis == "seq":
         ladder += long_context(ladder, request, devices)
-    m.results = [_longest(probe, r) for r in ladder]
+    with startup.paused():
+        m.results = [_longest(probe, r) for r in ladder]
     m.ranked = sorted((x for x in m.results if x.fits), key=lambda x: (-x.value, x.rung.key))
     for x in m.ranked:
         x.estimate = estimate(resolve(x.config, request.spec), request.calibration)

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from trainplan import config as C
-from trainplan import features
+from trainplan import features, startup
 from trainplan.advise.estimate import StepEstimate, estimate
 from trainplan.errors import ConfigError
 from trainplan.plan.analytic import fits_resolved, plan_resolved
@@ -372,14 +372,15 @@ def search(request: Request) -> Search:
     _, skipped = layouts(request.spec, devices, request.global_batch)
     planner = _Planner(request)
     done: dict[Rung, Outcome] = {}
-    for rung in rungs(request.spec, devices, request.modes, request.global_batch):
-        below = [done.get(r) for _, _, r in _step_backs(rung, devices)]  # earlier on the ladder
-        top_first = any(b is not None and b.largest_micro == b.micro_options[-1] for b in below)
-        done[rung] = _climb(planner, rung, top_first)
-    outcomes = list(done.values())
-    for o in outcomes:
-        if o.fits:
-            _choose_micro(planner, o)
+    with startup.paused():
+        for rung in rungs(request.spec, devices, request.modes, request.global_batch):
+            below = [done.get(r) for _, _, r in _step_backs(rung, devices)]  # earlier on the ladder
+            top_first = any(b is not None and b.largest_micro == b.micro_options[-1] for b in below)
+            done[rung] = _climb(planner, rung, top_first)
+        outcomes = list(done.values())
+        for o in outcomes:
+            if o.fits:
+                _choose_micro(planner, o)
     return Search(
         request=request,
         devices=devices,

@@ -85,7 +85,7 @@ class DeviceLedger:
         return other
 
     def phase_total(self, phase: str) -> int:
-        return sum(self.phases[phase].values())
+        return sum(map(int, self.phases[phase].values()))  # the figure: Bytes' terms are the why line's
 
     @property
     def peak_phase(self) -> str:
@@ -95,7 +95,7 @@ class DeviceLedger:
     def peak_allocated(self) -> int:
         """Summed once: the advisor asks each bill whether it fits thousands of times. A bill's
         phases are not changed once built (a changed bill is a new DeviceLedger)."""
-        return max(sum(components.values()) for components in self.phases.values())
+        return max(sum(map(int, components.values())) for components in self.phases.values())
 
     @property
     def reserve_bytes(self) -> int:
@@ -147,7 +147,7 @@ class DeviceLedger:
         return {ph: self.replayed_reserved.get(ph, total + self._reserve(total)) for ph, total in self._totals()}
 
     def _totals(self):
-        return ((ph, sum(c.values())) for ph, c in self.phases.items())
+        return ((ph, sum(map(int, c.values()))) for ph, c in self.phases.items())
 
     @property
     def need_bytes(self) -> int:

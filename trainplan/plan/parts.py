@@ -46,14 +46,29 @@ class Bytes(int):
         return self.parts
 
     def __add__(self, other):
-        if isinstance(other, int):  # a plain int is one unnamed term (the note's, or the test finds it)
+        # the hot path (sums of terms): both flat already, so the terms are the two tuples joined
+        kind = type(other)
+        if kind is Bytes:
+            return _joined(_add(self, other), self.parts + other.parts)
+        if kind is int:  # a plain int is one unnamed term (the note's, or the test finds it)
+            return _joined(_add(self, other), self.parts + ((None, other),)) if other else self
+        if isinstance(other, int):
             return Bytes(self, other)
         return int(self) + other
 
     def __radd__(self, other):  # before int's own __add__, a subclass's reflected method: sum() keeps the terms
+        if type(other) is int:
+            return _joined(_add(other, self), ((None, other), *self.parts)) if other else self
         if isinstance(other, int):
             return Bytes(other, self)
         return other + int(self)
+
+
+def _joined(total: int, parts: tuple[Part, ...]) -> Bytes:
+    """A Bytes of terms already flat and non-zero, and their total."""
+    out = _new(Bytes, total)
+    out.parts = parts
+    return out
 
 
 def parts_of(nbytes: int) -> tuple[Part, ...]:

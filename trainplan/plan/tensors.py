@@ -170,14 +170,13 @@ def _shape_tp(t: ParamTensor, tp: int) -> tuple[int, ...]:
 
 
 def _lora_shapes(spec: ModelSpec, r: int, targets: frozenset[str], layers: range, tp: int) -> list[tuple[int, ...]]:
-    shapes = []
-    for _ in layers:
-        for lin in spec.layer_linears:
-            if lin.module in targets:
-                rowwise = lin.module in ROWWISE
-                shapes.append((r, lin.in_features // (tp if rowwise else 1)))  # lora_A
-                shapes.append((lin.out_features // (1 if rowwise else tp), r))  # lora_B
-    return shapes
+    layer = []  # every layer's adapters have the same shapes
+    for lin in spec.layer_linears:
+        if lin.module in targets:
+            rowwise = lin.module in ROWWISE
+            layer.append((r, lin.in_features // (tp if rowwise else 1)))  # lora_A
+            layer.append((lin.out_features // (1 if rowwise else tp), r))  # lora_B
+    return layer * len(layers)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

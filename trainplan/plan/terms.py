@@ -201,9 +201,13 @@ def pinned_fsdp_shards(ctx: RankContext) -> tuple[int, int]:
     page-locked memory too; CUDA's caching host allocator rounds every one up to a power of two."""
     tp, shards, prec = ctx.tp, ctx.shards.w, ctx.prec
     stored = prec.param_bytes if ctx.full else prec.frozen_bytes
-    padded = [_sharded_numel(t, tp, shards) for t in ctx.tensors.held]
-    weights = sum(_pow2(n * stored) for n in padded)
-    grads = sum(_pow2(n * prec.grad_bytes) for n in padded) if ctx.full else 0
+    grad_bytes = prec.grad_bytes if ctx.full else 0
+
+    def held() -> tuple[int, int]:
+        padded = [_sharded_numel(t, tp, shards) for t in ctx.tensors.held]
+        return sum(_pow2(n * stored) for n in padded), sum(_pow2(n * grad_bytes) for n in padded)
+
+    weights, grads = ctx.tensors.memo(("pinned shards", tp, shards, stored, grad_bytes), held)
     for shape in ctx.adapters.shapes:  # fp32 adapters, sharded on dim 0 as well
         n = _shard(shape[0], math.prod(shape[1:]), shards) * 4
         weights, grads = weights + _pow2(n), grads + _pow2(n)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+COMMIT = re.compile(r"^[0-9a-f]{40}$")  # what refs/main holds: a commit's hash
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -23,14 +24,21 @@ def cache_dir() -> str:
 
 
 def cached_snapshot(repo_id: str) -> Path | None:
-    """The local snapshot of `repo_id` (its main revision) with a config.json, or None."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    try:
-        path = Path(snapshot_download(repo_id, local_files_only=True))
-    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError):
+    """The local snapshot of `repo_id` (its main revision) with a config.json, or None. It reads the
+    cache's layout as huggingface_hub's own offline lookup does (`snapshot_download(local_files_only=True)`:
+    refs/main names the commit whose folder under snapshots/ holds the files), without importing that
+    module's download machinery (a fifth of a CPU-second before `advise` can start)."""
+    folder = Path(cache_dir()) / ("models--" + repo_id.replace("/", "--"))
+    ref = folder / "refs" / "main"
+    if not ref.is_file():  # a FIFO or a device there is not a ref either: nothing reads it
         return None
+    try:
+        commit = ref.read_text(errors="replace").strip()
+    except OSError:
+        return None
+    if not COMMIT.match(commit):
+        return None
+    path = folder / "snapshots" / commit
     return path if (path / "config.json").is_file() else None
 
 

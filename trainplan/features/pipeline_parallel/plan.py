@@ -4,7 +4,6 @@ ParallelDims.stage_layers, shared with the engine."""
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -69,9 +68,10 @@ def _sharded_stage(ctx: RankContext, bill: StepBill, terms: RankTerms) -> StepBi
     shard it receives) and reshards. The load holds the root unit whole: the pipeline shards it once the
     stage's module exists."""
     from trainplan.plan.phase import Bytes, PhaseBill, StepBill
+    from trainplan.plan.terms import lora_numel
 
     cb = ctx.cb
-    adapters = sum(math.prod(s) for s in ctx.adapters.shapes)
+    adapters = lora_numel(ctx) if ctx.adapters.on else 0
     trainable = ctx.n_held if ctx.full else adapters
     gathered = ("every unit of the stage gathered, kept through the window", (ctx.n_held + adapters) * cb)
     unsharded = ("the window's unsharded gradients, reduced at its last backward", trainable * cb)
