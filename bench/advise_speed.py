@@ -1,6 +1,7 @@
 """How fast is `trainplan advise`: candidate configurations planned per second.
 
 Run: .venv/bin/python bench/advise_speed.py [--write-doc]   (--write-doc rewrites the table in docs/advise.md)
+     .venv/bin/python bench/advise_speed.py --quick   (one search a case, one CLI run: that it runs)
      .venv/bin/python bench/advise_speed.py --against d8f10df [--cases 0,1,2]   (side by side with an
      older search, interleaved: per-round ratios; the machine's speed drifts by 2x over minutes)
 
@@ -136,6 +137,7 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=5, help="rounds of --against (each: one process per side)")
     ap.add_argument("--cases", default=str(CLI_CASE), help="--against: the cases' indices, comma-separated")
+    ap.add_argument("--quick", action="store_true", help="one search per case and one CLI run: that it runs")
     opts = ap.parse_args()
     if opts.against:
         for case in map(int, opts.cases.split(",")):
@@ -146,6 +148,10 @@ def main() -> None:
     from trainplan.advise.search import search, what_would_fit
     from trainplan.commands.advise import request_from_args
 
+    if opts.quick:
+        if opts.write_doc:
+            ap.error("--quick writes nothing: one search per case is not the table's median")
+        opts.repeat = 1
     before = machine_speed()
     rows = []
     for case in CASES:
@@ -166,12 +172,13 @@ def main() -> None:
             flush=True,
         )
 
-    wall, _ = cli_seconds(CASES[CLI_CASE])
+    runs = 1 if opts.quick else 5
+    wall, _ = cli_seconds(CASES[CLI_CASE], runs)
     cli_verdict = "met" if wall < TARGET_CLI_S else "MISSED"
-    print(f"\nCLI wall, {label(CASES[CLI_CASE])} (median of 5): {wall:.2f} s  {cli_verdict}")
-    _, cpu = cli_seconds(CPU_CASE)
+    print(f"\nCLI wall, {label(CASES[CLI_CASE])} (median of {runs}): {wall:.2f} s  {cli_verdict}")
+    _, cpu = cli_seconds(CPU_CASE, runs)
     cpu_verdict = "met" if cpu < TARGET_CLI_CPU_S else "MISSED"
-    print(f"CLI CPU (user + system), {label(CPU_CASE)} (median of 5): {cpu:.2f} s  {cpu_verdict}")
+    print(f"CLI CPU (user + system), {label(CPU_CASE)} (median of {runs}): {cpu:.2f} s  {cpu_verdict}")
 
     speed = f"a 10M-iteration Python loop took {before:.2f} s before and {machine_speed():.2f} s after"
     print(f"machine: {speed}")

@@ -1,6 +1,7 @@
 """Cold and warm `trainplan plan` wall time for architectures with derived terms (plan/derived.py).
 
 Run: .venv/bin/python bench/derived_plan_speed.py [--warm 5]
+     .venv/bin/python bench/derived_plan_speed.py --quick   (Qwen3-shaped LoRA only, one warm plan: that it runs)
 
 Cold: an empty derived-terms cache, so the plan traces 1- and 2-layer models at four points.
 Warm: the cache filled; the goal is < 0.5 s for the whole `trainplan plan` process (imports
@@ -56,13 +57,17 @@ def timed(argv: list[str], env: dict) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--warm", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="the first model, LoRA only, one warm plan")
     args = ap.parse_args()
+    if args.quick:
+        args.warm = 1
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "TRAINPLAN_CACHE": str(Path(tmp) / "cache")}
         print(f"| model | mode | cold s | warm s (median of {args.warm}) |")
         print("|---|---|---:|---:|")
-        for name, path in configs(Path(tmp)).items():
-            for mode in ("lora", "full"):
+        models = list(configs(Path(tmp)).items())
+        for name, path in models[:1] if args.quick else models:
+            for mode in ("lora",) if args.quick else ("lora", "full"):
                 argv = ["plan", "--model", str(path), "--mode", mode, "--gpus", "H100-80GB", "--json"]
                 cold = timed(argv, env)
                 warm = statistics.median(timed(argv, env) for _ in range(args.warm))

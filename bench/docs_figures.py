@@ -1,6 +1,7 @@
 """Rerun the figures the README and docs quote, and write them back with the date and the machine.
 
 Run: .venv/bin/python bench/docs_figures.py [--only demo,advise,checkpointing]   (make docs-figures)
+     .venv/bin/python bench/docs_figures.py --quick   (runs and writes nothing: the markers and flags it needs)
 
 - demo: `make demo`'s acceptance run (`trainplan accept --output-dir runs/accept`) and the full
   fine-tune example (`trainplan train examples/demo-full.toml`): the verdict block and the table of both
@@ -110,8 +111,22 @@ def write_block(text: str, block: str, begin: str = BEGIN, end: str = END) -> st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="demo,advise,checkpointing", help="comma-separated: demo, advise, checkpointing")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="run nothing, write nothing: the README's markers are there once and each script it delegates to takes "
+        "--write-doc (the runs themselves are those scripts' own --quick)",
+    )
     args = ap.parse_args()
     only = set(args.only.split(","))
+    if args.quick:
+        write_block(README.read_text(), "")
+        for name in ("advise_speed", "checkpointing"):
+            usage = _run([sys.executable, str(ROOT / "bench" / f"{name}.py"), "--help"])[0]
+            if "--write-doc" not in usage:
+                sys.exit(f"bench/{name}.py no longer takes --write-doc")
+        print("README.md holds the demo markers once; advise_speed.py and checkpointing.py take --write-doc")
+        return
     if "demo" in only:
         README.write_text(write_block(README.read_text(), demo()))
         print("README.md: the demo block rewritten")

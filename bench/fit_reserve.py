@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python bench/fit_reserve.py docs/data/gpu-validate-h200-2026-12-04*.json \
         --replays docs/data/reserved-replay-h200-2026-12-04.json --out trainplan/plan/fragmentation.json
+     .venv/bin/python bench/fit_reserve.py --quick   (those files, nothing written: that it runs)
 
 The CUDA caching allocator reserves more than the tensors hold: blocks cached after a free, split
 remainders, segments rounded up (c10/cuda/CUDACachingAllocator.cpp). A row's fragmentation is
@@ -126,10 +127,17 @@ def fit(rows: list[dict]) -> dict[str, dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("runs", nargs="+", type=Path, help="gpu_validate JSON files")
+    ap.add_argument("runs", nargs="*", type=Path, help="gpu_validate JSON files")
     ap.add_argument("--replays", type=Path, help="bench/reserved_replay.py's JSON: the expandable-segments factors")
     ap.add_argument("--out", type=Path, help="write the factors here (trainplan/plan/fragmentation.json)")
+    ap.add_argument("--quick", action="store_true", help="the recorded runs and replays of docs/data, nothing written")
     args = ap.parse_args()
+    if args.quick:
+        data = Path(__file__).parents[1] / "docs" / "data"
+        args.runs = args.runs or sorted(data.glob("gpu-validate-h200-2026-12-04*.json"))
+        args.replays = args.replays or data / "reserved-replay-h200-2026-12-04.json"
+    if not args.runs:
+        ap.error("the runs: give bench/gpu_validate.py JSON files (or --quick)")
     rows = rows_of(args.runs)
     seen: dict[str, dict] = {}
     for row in rows:  # a row measured in several runs counts once (the allocator is deterministic)

@@ -3,7 +3,7 @@
 On the GPU machine (one H200; fits one call of at most 8 minutes; docs/gpu-validation.md):
     PYTHONUNBUFFERED=1 timeout 470 python3 bench/gpu_validate.py --out $OUT/gpu-validate.json
 CPU smoke run (2 tiny configs, seconds; tests/test_devices_command.py runs it):
-    .venv/bin/python bench/gpu_validate.py --smoke --out /tmp/gpu-validate-smoke.json
+    .venv/bin/python bench/gpu_validate.py --smoke --out /tmp/gpu-validate-smoke.json   (--quick: the same)
 The matrix and each row's analytic plan on the GPU, without running anything:
     .venv/bin/python bench/gpu_validate.py --list
 
@@ -707,6 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="gpu-validate.json", help="JSON results, rewritten after every row")
     ap.add_argument("--smoke", action="store_true", help="2 tiny configs on the CPU (CI exercises the code paths)")
+    ap.add_argument("--quick", dest="smoke", action="store_true", help="the same as --smoke (every bench's quick mode)")
     ap.add_argument("--list", action="store_true", help="print the matrix with each row's analytic plan, then exit")
     ap.add_argument("--rows", default=None, help="comma-separated row indices of the matrix (default: all)")
     ap.add_argument("--steps", type=int, default=3, help="steps per configuration (>= 3: warm-up, measured, timed)")

@@ -1,6 +1,7 @@
 """How fast is `trainplan plan`, and how does it compare with accelerate's estimator?
 
 Run: .venv/bin/python bench/plan_speed.py   (figures recorded in docs/benchmarks.md)
+     .venv/bin/python bench/plan_speed.py --quick   (the first case, three plans, one CLI run: that it runs)
 
 Targets (issue 2): the CLI answers in < 0.5 s wall, one plan computes in < 50 ms, and the
 analytic path imports no torch. The competitor, accelerate's `estimate-memory`, is run in the
@@ -79,21 +80,27 @@ def accelerate_estimate(preset: str) -> tuple[float, int]:
 
 
 def main() -> None:
+    import argparse
+
     from trainplan import config as C
     from trainplan.plan.analytic import plan
 
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="the first case, three plans and one CLI run each")
+    quick = ap.parse_args().quick
+    plans, walls = (3, 1) if quick else (50, 9)
     print(f"{'case':42s} {'plan() median':>14s} {'CLI wall median':>16s}")
-    for label, settings in CASES:
+    for label, settings in CASES[:1] if quick else CASES:
         cfg = C.load(None, [], settings)
-        in_proc = median_time(lambda cfg=cfg: plan(cfg), 50)
+        in_proc = median_time(lambda cfg=cfg: plan(cfg), plans)
         args = ["plan"] + [x for k, v in settings.items() for x in ("--set", f"{k}={v}")]
-        wall = cli_wall(args)
+        wall = cli_wall(args, walls)
         print(f"{label:42s} {in_proc * 1e3:11.1f} ms {wall:13.3f} s")
     print(f"analytic path imports torch: {not no_torch_on_analytic_path()}")
 
     print("\nside by side with accelerate estimate-memory (bf16 training, Adam), Llama-3.1-8B on one H100:")
     cfg = C.load(None, [], {"model.source": "Llama-3.1-8B", "hardware.gpus": "H100-80GB"})
-    ours_s = median_time(lambda: plan(cfg), 50)
+    ours_s = median_time(lambda: plan(cfg), plans)
     ours = plan(cfg).devices[0]
     acc_s, acc_bytes = accelerate_estimate("Llama-3.1-8B")
     print(

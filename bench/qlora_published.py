@@ -1,6 +1,6 @@
 """QLoRA and LoRA plans against LitGPT's published Llama-2 measurements (micro-batch 1).
 
-Run: .venv/bin/python bench/qlora_published.py
+Run: .venv/bin/python bench/qlora_published.py   (--quick: the same, plans only and quick already)
 Recorded in docs/memory-model.md ("QLoRA against published measurements").
 
 The points: LitGPT's tutorials/resource-tables.md (commit 0cc02afa, 2023-10-27), "Finetuning with
@@ -113,7 +113,9 @@ def rows() -> list[dict]:
 
 
 def main() -> int:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the same rows: plans only, a few seconds already")
+    ap.parse_args()
     print("| model | quantization | published GB | plan GB | plan vs published | + the stack's terms | vs published |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows():

@@ -2,6 +2,7 @@
 storage tracker, beside the analytic plan of the same settings (planned for a CUDA device).
 
 Run: .venv/bin/python bench/qlora_step.py [--hidden 512 --intermediate 1376 --precision bf16]
+     .venv/bin/python bench/qlora_step.py --quick   (hidden 128, seq 32: that it runs)
 Recorded in docs/memory-model.md ("QLoRA: the plan against a real bitsandbytes step").
 """
 
@@ -21,7 +22,10 @@ def main() -> None:
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="hidden 128, intermediate 344, seq 32, micro-batch 1")
     args = ap.parse_args()
+    if args.quick:
+        args.hidden, args.intermediate, args.seq, args.micro_batch = 128, 344, 32, 1
 
     import torch
 

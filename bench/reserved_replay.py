@@ -3,6 +3,7 @@ what CUDA's allocator reserved on a real GPU (bench/gpu_validate.py's recorded r
 
 Run: .venv/bin/python bench/reserved_replay.py docs/data/gpu-validate-h200-2026-12-04.json [--rows 0,1,2]
          [--out docs/data/reserved-replay.json]
+     .venv/bin/python bench/reserved_replay.py --quick   (that recorded run's first row: that it runs)
 
 Each row traces the recorded configuration on fake tensors with CUDA kernel semantics (`trainplan
 trace`), replays its allocation stream (the model, batch and optimizer state, then the warm-up and the
@@ -101,12 +102,20 @@ def untraceable(cfg) -> str | None:
     return next((why for f in features.FEATURES if (why := f.untraceable(r))), None)
 
 
+QUICK_RUN = Path(__file__).parents[1] / "docs" / "data" / "gpu-validate-h200-2026-12-04.json"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run", type=Path, help="a bench/gpu_validate.py JSON")
+    ap.add_argument("run", type=Path, nargs="?", help="a bench/gpu_validate.py JSON")
     ap.add_argument("--rows", default=None, help="comma-separated row indices (default: every traceable row)")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    ap.add_argument("--quick", action="store_true", help=f"the first row of {QUICK_RUN.name} (no run given)")
     args = ap.parse_args()
+    if args.quick:
+        args.run, args.rows = args.run or QUICK_RUN, args.rows or "0"
+    if args.run is None:
+        ap.error("the run: give a bench/gpu_validate.py JSON (or --quick)")
     data = json.loads(args.run.read_text())
     # runs before the tracker summed tied gradients in place (trainplan 2026-12-05) measured the third tensor
     as_recorded(data.get("tracker_sums_tied_in_place") is not True)

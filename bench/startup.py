@@ -1,6 +1,7 @@
 """How long does `trainplan train` take to reach its first step, against a bare `import torch`?
 
 Run: .venv/bin/python bench/startup.py [--repeat 5]   (figures recorded in docs/benchmarks.md)
+     .venv/bin/python bench/startup.py --quick   (one round, no warm-up, no breakdown: that it runs)
 
 Target (issue 47): a tiny-model run reaches step 1 within 2.0x the time a bare `python -c "import
 torch"` takes, in the same run of this script. Both are fresh processes, timed from their start:
@@ -130,12 +131,16 @@ def breakdown(argv: list[str], root: Path) -> tuple[dict[str, float], list[str]]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="one round, no warm-up run and no import breakdown")
     args = ap.parse_args()
+    if args.quick:
+        args.repeat = 1
     compileall.compile_dir(Path(__file__).resolve().parents[1] / "trainplan", quiet=1)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         argv = setup(root)
-        to_first_step(argv, root, -1)  # warm: the tokenizer's one-time conversion, the page cache
+        if not args.quick:
+            to_first_step(argv, root, -1)  # warm: the tokenizer's one-time conversion, the page cache
         torch_s, model_s, train_s = [], [], []
         for i in range(args.repeat):  # interleaved: a busy moment costs every side
             torch_s.append(bare(BARE_TORCH))
@@ -154,6 +159,8 @@ def main() -> None:
             f"ratio to the floor (torch + the model's module): {first / model_m:.2f}x "
             f"(the floor itself: {model_m / torch_m:.2f}x import torch)"
         )
+        if args.quick:
+            return
         packages, stages = breakdown(argv, root)
         total = sum(packages.values())
         print(f"\nimports before step 1: {total:.2f} s, by top-level package (self time, > 0.05 s):")

@@ -2,6 +2,7 @@
 train.compile) and for the step Hugging Face Trainer + PEFT runs (transformers' loss, its AdamW).
 
 Run: .venv/bin/python bench/step_profile.py [--steps 3] [--top 12]   (table in docs/benchmarks.md)
+     .venv/bin/python bench/step_profile.py --quick   (seq 64, one step, no compile: that it runs)
 
 The embedded SmolLM2-135M, LoRA r=8 on q_proj and v_proj, micro-batch 4 x seq 256, fp32. Each side
 runs one warm-up step (compilation, optimizer state), then `--steps` profiled steps. Self CPU time
@@ -22,7 +23,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--quick", action="store_true", help="seq 64, micro-batch 1, one profiled step, no compile")
     args = ap.parse_args()
+    seq, micro = (64, 1) if args.quick else (256, 4)
+    if args.quick:
+        args.steps = 1
     warnings.filterwarnings("ignore")
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     import peft
@@ -35,13 +40,22 @@ def main() -> None:
     from trainplan.run import data, step, weights
 
     transformers.logging.set_verbosity_error()
-    sets = ["mode=lora", "precision=fp32", "batch.seq_len=256", "batch.micro_batch_size=4", "hardware.gpus=cpu"]
+    sets = [
+        "mode=lora",
+        "precision=fp32",
+        f"batch.seq_len={seq}",
+        f"batch.micro_batch_size={micro}",
+        "hardware.gpus=cpu",
+    ]
     cfg = C.load(None, sets)
     r = resolve.resolve(cfg)
     tokenizer = weights.load_tokenizer(cfg, r.spec)
     train_docs, _ = data.split_documents(data.load_documents("default"), 0.1)
-    ids, labels = data.pack(train_docs, tokenizer, 256, r.spec.vocab_size)
-    batches = [{"input_ids": ids[i * 4 : (i + 1) * 4], "labels": labels[i * 4 : (i + 1) * 4]} for i in range(8)]
+    packed = data.pack(train_docs, tokenizer, seq, r.spec.vocab_size)
+    ids, labels = packed.ids, packed.labels
+    batches = [
+        {"input_ids": ids[i * micro : (i + 1) * micro], "labels": labels[i * micro : (i + 1) * micro]} for i in range(8)
+    ]
 
     def trainplan_step(compiled: bool):
         torch.manual_seed(0)
@@ -68,11 +82,10 @@ def main() -> None:
 
         return run
 
-    sides = {
-        "trainplan (fused loss)": trainplan_step(False),
-        "trainplan, train.compile": trainplan_step(True),
-        "HF Trainer's step (PEFT, transformers' loss)": hf_step(),
-    }
+    sides = {"trainplan (fused loss)": trainplan_step(False)}
+    if not args.quick:
+        sides["trainplan, train.compile"] = trainplan_step(True)
+    sides["HF Trainer's step (PEFT, transformers' loss)"] = hf_step()
     for name, run in sides.items():
         run(batches[0])  # warm-up: compilation, optimizer state
         with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python bench/suite_time.py [--write]
          [--from-log test=LOG --from-log fast=LOG] [--wall test=SECONDS]
+     .venv/bin/python bench/suite_time.py --quick   (one small test file, parsed the same way: that it runs)
 
 Without --from-log it runs `make test-fast`, then `make test` (about 17 minutes on 2 cores), each timed
 by wall clock with its output kept under /tmp. --from-log reads the output of runs made elsewhere (a
@@ -26,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- suite-times:begin (bench/suite_time.py --write) -->", "<!-- suite-times:end -->"
 TARGETS = {"test": "make test", "fast": "make test-fast"}
+# --quick: one small test file through the same parsing, that the script runs (tests/test_benches_run.py)
+QUICK = f"{sys.executable} -m pytest -q -p no:cacheprovider --durations 15 tests/test_suite_time.py"
 
 
 def machine() -> str:
@@ -128,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wall", action="append", default=[], metavar="TARGET=SECONDS", help="a logged run's wall time")
     ap.add_argument("--where", default=None, help="the machine's description (default: read from /proc)")
     ap.add_argument("--write", action="store_true", help="update docs/benchmarks.md and README.md")
+    ap.add_argument("--quick", action="store_true", help="one test file instead of the suites; nothing written")
     args = ap.parse_args(argv)
+    if args.quick:
+        if args.write or args.from_log:
+            ap.error("--quick runs one test file: it writes nothing and reads no log")
+        TARGETS["quick"] = QUICK
     results: dict[str, dict] = {}
     walls = dict(item.split("=", 1) for item in args.wall)
     loads = []
@@ -137,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         if target not in TARGETS:
             ap.error(f"--from-log: {target!r} is not one of {', '.join(TARGETS)}")
         results[target] = {**parse(Path(path).read_text()), "wall": float(walls[target]) if target in walls else None}
-    for target in ("fast", "test"):
+    for target in ("quick",) if args.quick else ("fast", "test"):
         if target not in results and not args.from_log:
             log, wall, load = run(target)
             results[target] = {**parse(log), "wall": wall}

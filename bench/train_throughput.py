@@ -3,6 +3,7 @@
 Run: .venv/bin/python bench/train_throughput.py [--steps 8]   (figures in docs/benchmarks.md)
      .venv/bin/python bench/train_throughput.py --paired --compile --steps 12   (train.compile against HF's
      torch_compile=True)
+     .venv/bin/python bench/train_throughput.py --quick [--compile]   (three paired steps at seq 64: that it runs)
 
 Same process, same model (the embedded SmolLM2-135M), same LoRA (r=8 on q_proj, v_proj) or full
 fine-tuning (--mode full), same packed Python-docs sequences, micro-batch 4 x seq 256 unless
@@ -35,7 +36,13 @@ def main() -> None:
     ap.add_argument("--mode", choices=["lora", "full"], default="lora")
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument(
+        "--quick", action="store_true", help="paired, three steps of micro-batch 1 x seq 64 (with --compile, four)"
+    )
     args = ap.parse_args()
+    if args.quick:
+        args.paired, args.micro_batch, args.seq = True, 1, 64
+        args.steps = 4 if args.compile else 3
     warnings.filterwarnings("ignore")
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU backend's import-time warning
     import peft
@@ -61,7 +68,8 @@ def main() -> None:
     r = resolve.resolve(cfg)
     tokenizer = weights.load_tokenizer(cfg, r.spec)
     train_docs, _ = data.split_documents(data.load_documents("default"), 0.1)
-    ids, labels = data.pack(train_docs, tokenizer, args.seq, r.spec.vocab_size)
+    packed = data.pack(train_docs, tokenizer, args.seq, r.spec.vocab_size)
+    ids, labels = packed.ids, packed.labels
     micro = args.micro_batch
     tokens_per_step = micro * (args.seq - 1)
 

@@ -4,6 +4,7 @@ to the page's repaint of the new plan (the page waits 60 ms for the next keystro
 server's own part (the plan itself). Target: the analytic result within ~100 ms of the change.
 
     .venv/bin/python bench/ui_latency.py [--changes 20] [--screenshot docs/ui.png]
+    .venv/bin/python bench/ui_latency.py --quick   (two changes: that it runs)
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--changes", type=int, default=20)
     ap.add_argument("--screenshot", type=Path, default=None, help="write a PNG of the page at 1280 px")
+    ap.add_argument("--quick", action="store_true", help="two changes: that it runs")
     args = ap.parse_args()
+    if args.quick:
+        args.changes = 2
     from playwright.sync_api import sync_playwright
 
     from trainplan.commands import ui
