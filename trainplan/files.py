@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -206,6 +208,35 @@ def pid_alive(pid: int) -> bool:
 MAX_NESTING = 64  # no file trainplan reads nests deeper: a chat row is 3, a config 3, a record 6
 
 
+def special(path: str | Path) -> str | None:
+    """What a path is when it is neither a regular file, a directory nor missing, as words that follow its
+    name: 'is a FIFO (a named pipe)', 'is a character device', 'is a symlink loop'. Read by stat alone,
+    never opened: a reader that opened a FIFO would wait for a writer, and one that read /dev/zero would
+    never finish. None for a file, a directory or nothing there (each reader names those itself)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        return "is a symlink loop" if e.errno == errno.ELOOP else None
+    except ValueError:  # a NUL in the path: no file can have that name
+        return None
+    for test, what in (
+        (stat.S_ISFIFO, "is a FIFO (a named pipe)"),
+        (stat.S_ISCHR, "is a character device"),
+        (stat.S_ISBLK, "is a block device"),
+        (stat.S_ISSOCK, "is a socket"),
+    ):
+        if test(mode):
+            return what
+    return None
+
+
+def refuse_special(path: str | Path, field: str, fix: str) -> None:
+    """A ConfigError naming `field`, the path and what it is, where `special` finds it is no file to read."""
+    what = special(path)
+    if what:
+        raise ConfigError(field, f"{str(path)!r} {what}, not a file trainplan can read", fix)
+
+
 def parse_nested(parse, text: str, field: str, what: str):
     """parse(text), with nesting bounded: a document nested past MAX_NESTING levels is bad input named
     by its field and file, not a RecursionError in the parser or in whatever walks the result."""
@@ -227,6 +258,7 @@ MAX_JSON_BYTES = 64 * 2**20  # a record, a checkpoint's state or manifest, a con
 def read_text(path: Path, field: str, *, max_bytes: int = MAX_JSON_BYTES) -> str:
     """A small text file from outside (prompts, a record): size bounded, not binary, UTF-8; a bad
     file is a ConfigError naming `field` and the file."""
+    refuse_special(path, field, "give a regular file")
     try:
         size = path.stat().st_size
         if size > max_bytes:
@@ -271,6 +303,9 @@ def safetensors_header(path: Path) -> tuple[dict, int, int]:
     {name: {dtype, shape, data_offsets}} (and "__metadata__"), then the data. Each entry has a known
     dtype, a shape of counts, and offsets inside the data that its shape fills exactly. A ValueError
     says what is wrong."""
+    what = special(path)
+    if what:
+        raise ValueError(f"it {what}, not a file")
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)

@@ -111,6 +111,7 @@ def split_positional(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from trainplan.errors import ConfigError, nearest
+    from trainplan.files import refuse_special
     from trainplan.spec.hub import looks_like_hub_id
     from trainplan.spec.model import find_preset, preset_aliases
 
@@ -118,6 +119,7 @@ def split_positional(args: argparse.Namespace) -> None:
     if given is None:
         return
     path = Path(given)
+    refuse_special(path, "config", "pass a TOML config file, a model directory or a preset")
     if path.suffix == ".toml":  # a config (a missing one is config.load's to report)
         return
     is_model = (

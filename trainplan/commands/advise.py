@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -123,13 +124,19 @@ def request_from_args(args: argparse.Namespace) -> Request:
     if args.price is not None:
         settings["hardware.price_per_gpu_hour"] = args.price
     if args.data is not None:
+        from trainplan.files import refuse_special
+
+        refuse_special(args.data, "--data", "give a .txt/.jsonl file or a directory")
         if not Path(args.data).exists():
             raise ConfigError("--data", f"{args.data!r} does not exist", "give a .txt/.jsonl file or a directory")
-        from trainplan.run import sources
-
-        sources.sniff(args.data, "--data")
         settings["data.source"] = str(Path(args.data).resolve())
     base = C.load(None, args.set, settings)
+    if args.data is not None:  # train's own row checks, before a config naming the data is written
+        from trainplan.run import sources
+
+        unchecked = sources.check(args.data, base.data.format, "--data")
+        if unchecked:
+            print(f"trainplan advise: note: {unchecked}", file=sys.stderr)
     spec = load_model_spec(base.model.source)
     if spec.derived:  # bad input, not a search that finds nothing: refused before any candidate
         from trainplan.spec.layout import causal_lm_type

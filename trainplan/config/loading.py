@@ -12,7 +12,7 @@ from typing import Any
 
 from trainplan.config.schema import _ALONE, _SECTION_TYPES, _TOP_KEYS, RunConfig
 from trainplan.errors import ConfigError, ConfigErrors, nearest
-from trainplan.files import parse_nested
+from trainplan.files import parse_nested, special
 
 MAX_NUMBER = 1 << 53  # the largest number a setting may be (exact as a float; every real one is far below)
 
@@ -191,6 +191,9 @@ def read_config_text(p: Path) -> str:
     """A TOML config's text, each way a path can fail named as itself: missing, a directory, a dangling
     symlink or a loop, unreadable, not UTF-8 (a UTF-8 byte-order mark is accepted, UTF-16 named)."""
     shown = repr(str(p))[:120]
+    what = special(p)
+    if what:  # a FIFO or a device is never opened: the read would wait, or never end
+        raise ConfigError("config", f"{shown} {what}, not a file", "pass the path of a TOML file")
     if p.is_symlink() and not p.exists():
         try:
             p.stat()

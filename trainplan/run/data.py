@@ -75,8 +75,7 @@ def load(data_cfg, *, cache: str | None = None) -> tuple[list[Document], list[Do
 def load_documents(
     source: str, fmt: str = "auto", *, field: str = "data.source", cache: str | None = None
 ) -> list[Document]:
-    docs = sources.read(source, fmt, field, cache)
-    docs = [d for d in docs if d.text.strip() or d.completion.strip() or d.messages]
+    docs = sources.non_empty(sources.read(source, fmt, field, cache))
     if not docs:
         raise ConfigError(field, f"{source!r} holds no non-empty document", "point it at real text")
     return docs

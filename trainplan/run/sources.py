@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainplan.errors import ConfigError
-from trainplan.files import nesting
+from trainplan.files import nesting, refuse_special
 
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # (format, the columns it needs), in the order `auto` tries them on each row
@@ -60,6 +60,10 @@ class Document:
 def read(source: str, fmt: str, field: str, cache_dir: str | None) -> list[Document]:
     """Every document of `source` (errors name `field`: data.source or data.eval_source)."""
     path = Path(source).expanduser()
+    if source != "default":
+        refuse_special(
+            path, field, 'give a .txt, .jsonl, .json, .parquet or .csv file, a directory of them, or "default"'
+        )
     plain = path.is_file() and path.suffix not in DATA_SUFFIXES or path.is_dir() and not _data_files(path)
     if fmt not in ("auto", "text") and (plain or source == "default"):
         raise ConfigError(
@@ -103,9 +107,48 @@ def _data_files(path: Path) -> list[Path]:
 
 
 def _require_text(path: Path, field: str, fix: str) -> None:
-    head = path.read_bytes()[:65536]
+    with open(path, "rb") as f:  # the head only: a data file can be gigabytes
+        head = f.read(65536)
     if b"\x00" in head:
         raise ConfigError(field, f"{str(path)!r} is binary, not text", fix)
+
+
+CHECK_WHOLE_BYTES = 16 * 2**20  # a source this small is read as train reads it, every row checked, in seconds
+
+
+def check(source: str, fmt: str, field: str) -> str | None:
+    """train's checks of a data source, for a command that names it without training (advise --data --out):
+    a local source up to CHECK_WHOLE_BYTES is read by the very reader train uses (every row, the same one-line
+    errors, empty sources refused), into a cache that is thrown away. A larger one, or a dataset in the Hub
+    cache, gets the cheap look of `sniff`; the line returned says plainly what was not checked (None: all was)."""
+    import tempfile
+
+    if source == "default":
+        return None
+    path = Path(source).expanduser()
+    refuse_special(path, field, 'give a .txt, .jsonl, .json, .parquet or .csv file, a directory of them, or "default"')
+    if not path.exists():
+        if _HF_ID.match(source):
+            return f"{field}: {source} (a Hub dataset) was not read here; train checks its rows"
+        raise ConfigError(field, f"no such file or directory {source!r}", "give a .txt/.jsonl file or a directory")
+    files = [p for p in path.iterdir() if p.is_file()] if path.is_dir() else [path]
+    size = sum(p.stat().st_size for p in files)
+    if size > CHECK_WHOLE_BYTES:
+        sniff(source, field)
+        return (
+            f"{field}: {source} holds {size / 2**20:,.0f} MiB; only each file's first 64 KiB was checked here "
+            "(train checks every row)"
+        )
+    with tempfile.TemporaryDirectory(prefix="trainplan-check-") as tmp:
+        docs = non_empty(read(source, fmt, field, tmp))
+    if not docs:
+        raise ConfigError(field, f"{source!r} holds no non-empty document", "point it at real text")
+    return None
+
+
+def non_empty(docs: list[Document]) -> list[Document]:
+    """The documents with something to train on."""
+    return [d for d in docs if d.text.strip() or d.completion.strip() or d.messages]
 
 
 def sniff(source: str, field: str) -> None:
@@ -114,6 +157,7 @@ def sniff(source: str, field: str) -> None:
     import codecs
 
     path = Path(source).expanduser()
+    refuse_special(path, field, "give a regular file or a directory")
     files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
     for p in files:
         if p.suffix == ".parquet" or path.is_dir() and p.suffix not in (*DATA_SUFFIXES, ".txt"):

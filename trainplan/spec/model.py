@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainplan.errors import ConfigError, TrainplanError, nearest
-from trainplan.files import parse_nested
+from trainplan.files import parse_nested, refuse_special
 from trainplan.spec import gguf, hub
 from trainplan.spec.bounds import checked
 
@@ -513,6 +513,7 @@ def model_dir(source: str) -> Path | None:
 
 
 def _read_json(path: Path) -> dict:
+    refuse_special(path, "model.source", "point model.source at a regular config.json")
     try:
         return parse_nested(json.loads, path.read_text(encoding="utf-8"), "model.source", str(path)[:120])
     except json.JSONDecodeError as e:
@@ -548,18 +549,27 @@ def load_model_spec(source: str) -> ModelSpec:
     if source == "default":
         return from_gguf(default_gguf_path(), name="SmolLM2-135M-Instruct (embedded default)")
     path = Path(source)
-    if path.suffix == ".gguf":
+    refuse_special(
+        path, "model.source", "point model.source at a config.json, a .gguf file, a model directory or a preset"
+    )
+    kind = path.suffix
+    if path.is_file() and kind not in (".gguf", ".json") and find_preset(source) is None:
+        kind = _sniffed(path)  # a model file without its suffix: read by what it holds
+    if kind == ".gguf":
+        if path.is_dir():
+            raise ConfigError("model.source", f"{source!r} is a directory, not a GGUF file", "give the .gguf file")
         if not path.is_file():
             raise ConfigError("model.source", f"no such GGUF file {source!r}", "check the path")
         return from_gguf(path, name=path.stem)
     if path.is_dir():
         cfg_path = path / "config.json"
+        refuse_special(cfg_path, "model.source", "a model directory's config.json is a regular file")
         if not cfg_path.is_file():
             raise ConfigError(
                 "model.source", f"{source!r} has no config.json", "point at a Hugging Face model directory"
             )
         return from_hf_config(_read_json(cfg_path), name=path.name, where=str(cfg_path))
-    if path.suffix == ".json":
+    if kind == ".json":
         if not path.is_file():
             raise ConfigError("model.source", f"no such file {source!r}", "check the path")
         return from_hf_config(_read_json(path), name=path.stem, where=str(path))
@@ -581,6 +591,34 @@ def load_model_spec(source: str) -> ModelSpec:
         )
     canonical = find_preset(source) or source
     return from_hf_config(preset_config(source), name=canonical, where=f"preset {canonical}")
+
+
+def _sniffed(path: Path) -> str:
+    """A file given as the model whose name says neither .json nor .gguf: GGUF by its magic, a config.json
+    by a JSON object's opening brace; anything else is named for what it is (never "an unknown preset")."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError as e:
+        raise ConfigError("model.source", f"cannot read {str(path)!r} ({e.strerror})", "give a readable file") from None
+    if head.startswith(b"GGUF"):
+        return ".gguf"
+    if head.lstrip().startswith(b"{"):
+        return ".json"
+    kind = "binary" if b"\x00" in head or not _utf8(head) else "text"
+    raise ConfigError(
+        "model.source",
+        f"{str(path)!r} is a file ({kind}) that is neither a config.json nor a GGUF model",
+        "point model.source at a config.json, a .gguf file, a model directory or a preset",
+    )
+
+
+def _utf8(head: bytes) -> bool:
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start > len(head) - 4  # a character cut by the 4 KiB read
+    return True
 
 
 def from_gguf(path: Path, *, name: str) -> ModelSpec:
