@@ -285,7 +285,7 @@ def _file_cases(tmp):
         (["plan", "--json", "-o", str(a_dir)], r"^--output: cannot write .*a-dir"),
         (["plan", "--json", "-o", "/proc/version"], r"^--output: cannot write '/proc/version'"),
         (["runs", "list", "--registry", str(garbage)], r"^--registry: .*garbage\.toml is not a readable trainplan"),
-        (["runs", "list", "--registry", str(a_dir)], r"^registry: no run registry at .*a-dir"),
+        (["runs", "list", "--registry", str(a_dir)], r"^--registry: .*a-dir' is a directory, not a run registry"),
         (["train", str(run_five)], r"^run: must be a table"),
         (["train", "--set", f"data.source={binary_json}"], r"^data\.source: .*binary\.json' is binary, not text"),
         (["train", "--set", f"train.output_dir={a_file}"], r"^train\.output_dir: "),

@@ -20,8 +20,11 @@ from trainplan.errors import ConfigError
 def write_atomic(path: str | Path, text: str) -> None:
     """Write to a temporary file beside `path`, fsync, then rename: never a half-written file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as e:  # named as the path the caller gave, not the temporary sibling
+        raise OSError(e.errno, e.strerror, str(path)) from None
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide reports from the user's group
         with os.fdopen(fd, "w") as f:
@@ -29,6 +32,9 @@ def write_atomic(path: str | Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -40,8 +46,11 @@ def atomic_dir(out: str | Path) -> Iterator[Path]:
     yields, beside `out`; its files are fsynced and it is renamed into place only if the block
     finishes. An existing `out` is moved aside first (a crash leaves one of the two), then removed."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    except OSError as e:  # named as the path the caller gave, not the temporary sibling
+        raise OSError(e.errno, e.strerror, str(out)) from None
     try:
         mask = _umask()
         tmp.chmod(0o777 & ~mask)  # mkdtemp's 0700 would hide the directory from the user's group
@@ -50,13 +59,16 @@ def atomic_dir(out: str | Path) -> Iterator[Path]:
             if f.is_file():
                 f.chmod(0o666 & ~mask)  # some writers (safetensors) leave 0600
                 fsync_file(f)
-        fsync_dir(tmp)
-        old = None
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
+        try:
+            fsync_dir(tmp)
+            old = None
+            if out.exists():
+                old = out.with_name(f".{out.name}.old-{os.getpid()}")
+                os.replace(out, old)
+            os.replace(tmp, out)
+            fsync_dir(out.parent)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(out)) from None
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

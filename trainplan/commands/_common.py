@@ -221,15 +221,20 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
 
 def emit(args: argparse.Namespace, text: str) -> None:
     if getattr(args, "output", None):
-        try:
-            write_atomic(args.output, text if text.endswith("\n") else text + "\n")
-        except OSError as e:
-            raise TrainplanError(
-                f"--output: cannot write {str(args.output)!r} ({e.strerror or e}); "
-                "give a file path in a writable directory"
-            ) from None
+        write_output(args.output, text if text.endswith("\n") else text + "\n", "--output")
     else:
         print(text)
+
+
+def write_output(path, text: str, flag: str) -> None:
+    """A file the user named, written atomically; a failure is one line naming the flag and the path they gave
+    (never the temporary sibling the write goes through)."""
+    try:
+        write_atomic(path, text)
+    except OSError as e:
+        raise TrainplanError(
+            f"{flag}: cannot write {str(path)!r} ({e.strerror or e}); give a file path in a writable directory"
+        ) from None
 
 
 def add_logging_args(p: argparse.ArgumentParser) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from trainplan.commands._common import (
@@ -52,6 +53,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+MAX_PERTURB = 1000.0  # a test hook's scale: halving or doubling a component, never a thousandfold
+
+
 def refuse_plan_only(cfg, nproc: int):
     """A layout `trainplan train` does not run is refused before anything loads, with plan's reason.
     Checked on the devices the run will have, as train names them (run/record.py `device_label`);
@@ -87,6 +91,12 @@ def run(args: argparse.Namespace) -> int:
             perturb[comp.strip()] = ascii_float(factor)
         except ValueError:
             raise TrainplanError(f"--perturb-plan: {item!r} is not COMPONENT=FACTOR; e.g. activations=0.5") from None
+        f = perturb[comp.strip()]
+        if not (math.isfinite(f) and 0 < f <= MAX_PERTURB):  # a byte count scaled by NaN, inf or < 0 is no plan
+            raise TrainplanError(
+                f"--perturb-plan: factor {factor.strip()!r} of {comp.strip()!r} must be a number above 0 and at most "
+                f"{MAX_PERTURB:g}; e.g. activations=0.5"
+            )
         from trainplan.plan.ledger import COMPONENTS
 
         if comp.strip() not in COMPONENTS:  # checked before any work starts

@@ -26,9 +26,8 @@ from trainplan.advise.rank import (
     weights_note,
 )
 from trainplan.advise.search import TRAIN_MODES, Request, layouts, search, what_would_fit
-from trainplan.commands._common import add_registry_arg, output_file
+from trainplan.commands._common import add_registry_arg, output_file, write_output
 from trainplan.errors import ConfigError, nearest
-from trainplan.files import write_atomic
 from trainplan.resolve import resolve
 from trainplan.spec.model import load_model_spec
 from trainplan.text import is_terminal
@@ -95,6 +94,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(flag, f"unknown value {value!r}", nearest(value, choices))
+
+
+MAX_TOKENS = 10**15  # Llama 3's pretraining read 15.6 trillion; a fine-tune reads millions to billions
 
 
 def request_from_args(args: argparse.Namespace) -> Request:
@@ -201,6 +203,12 @@ def training_steps(
     if args.tokens is not None:
         if isinstance(args.tokens, bool) or args.tokens < 1:
             raise ConfigError("--tokens", f"must be >= 1 (got {args.tokens})", "e.g. --tokens 100000000")
+        if args.tokens > MAX_TOKENS:
+            raise ConfigError(
+                "--tokens",
+                f"{args.tokens:,} is past any training run (at most {MAX_TOKENS:.0e}, 64 times Llama 3's pretraining)",
+                "give the tokens of this fine-tune, e.g. --tokens 100000000",
+            )
         return math.ceil(args.tokens / per_step), None
     if args.epochs is None:
         return None, None
@@ -223,7 +231,15 @@ def training_steps(
     longest = base.data.max_length or base.batch.seq_len
     packed = data.pack(train_docs, tokenizer, longest, spec.vocab_size, packing=packing, cache=cache)
     widest = int(packed.lengths.max()) if packed.lengths is not None else None
-    return data.steps_for_epochs(args.epochs, packed.ids.shape[0], global_batch), widest
+    steps = data.steps_for_epochs(args.epochs, packed.ids.shape[0], global_batch)
+    if steps * per_step > MAX_TOKENS:
+        raise ConfigError(
+            "--epochs",
+            f"{args.epochs:g} passes over this data is {steps * per_step:.1e} tokens, past any training run "
+            f"(at most {MAX_TOKENS:.0e})",
+            "give the passes of this fine-tune, e.g. --epochs 3",
+        )
+    return steps, widest
 
 
 # ---- ranking ---------------------------------------------------------------------------------
@@ -268,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
         if args.out:
             notes.append(f"nothing fits: {args.out} not written")
     elif args.out:  # row 1 of what is shown
-        write_atomic(args.out, out_toml(s, order[0], 1, len(order), args.prefer, args.out))
+        write_output(args.out, out_toml(s, order[0], 1, len(order), args.prefer, args.out), "--out")
         doc["out"] = {"path": str(Path(args.out)), "row": 1, "of": len(order)}
         blocker = train_blocker(s, order[0])
         if blocker:
@@ -342,7 +358,7 @@ def run_maximize(args: argparse.Namespace) -> int:
     if m.ranked and args.out:  # row 1 of what is shown
         launch = launch_command(len(m.devices), args.out)
         x = m.ranked[0]
-        write_atomic(args.out, maximize.out_toml(m, x, 1, len(m.ranked), launch, weights_note(x.config)))
+        write_output(args.out, maximize.out_toml(m, x, 1, len(m.ranked), launch, weights_note(x.config)), "--out")
         doc["out"] = {"path": str(Path(args.out)), "row": 1, "of": len(m.ranked), "run": launch}
         if blockers[id(x)]:
             notes.append(f"wrote row 1, which `trainplan train` does not run yet: {blockers[id(x)]}")

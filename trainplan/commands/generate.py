@@ -10,7 +10,7 @@ from pathlib import Path
 
 from trainplan.commands._common import quiet_libraries, seed
 from trainplan.errors import ConfigError
-from trainplan.files import parse_nested, read_text
+from trainplan.files import parse_nested, read_text, refuse_special
 
 HELP = "complete prompts with a model, a model + LoRA adapter, or a run's result (--compare: base vs fine-tuned)"
 MAX_NEW_TOKENS = 4096
@@ -53,6 +53,9 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
             raise ConfigError("--prompt", "is empty", "give the text to complete")
         return [args.prompt]
     path = Path(args.prompts)
+    refuse_special(path, "--prompts", 'give a text file, one prompt a line, or .jsonl of {"prompt": ...}')
+    if path.is_dir():
+        raise ConfigError("--prompts", f"{args.prompts!r} is a directory", "give a text file, one prompt a line")
     if not path.is_file():
         raise ConfigError(
             "--prompts",

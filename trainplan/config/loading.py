@@ -41,11 +41,17 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError("--set", f"{text!r} is not key=value", "write e.g. --set batch.seq_len=2048")
     key, raw = (s.strip() for s in text.split("=", 1))
+    if "\n" in text or "\r" in text:  # TOML would read a second line as a second key
+        raise ConfigError(
+            "--set", f"{text[:60]!r} holds a line break", "give one key=value per --set, each on one line"
+        )
     try:
-        value = parse_nested(tomllib.loads, f"v = {raw}", "--set", f"the value of {key[:60]!r}")["v"]
+        doc = parse_nested(tomllib.loads, f"v = {raw}", "--set", f"the value of {key[:60]!r}")
     except tomllib.TOMLDecodeError:
-        value = raw  # a bare word such as lora or H100-80GB
-    return key, value
+        return key, raw  # a bare word such as lora or H100-80GB
+    if list(doc) != ["v"]:  # `1 # x` is one value; nothing a line can hold is more, but say so if it is
+        raise ConfigError("--set", f"{text[:60]!r} is more than one value", "give one key=value per --set")
+    return key, doc["v"]
 
 
 def from_dict(tree: dict) -> RunConfig:

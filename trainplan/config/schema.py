@@ -333,6 +333,13 @@ class LoraConfig:
                 "must be a non-empty list of module names",
                 'e.g. target_modules = ["q_proj", "v_proj"]',
             )
+        blank = [m for m in self.target_modules if not m.strip() or m != m.strip()]
+        if blank:
+            raise ConfigError(
+                "lora.target_modules",
+                f"holds {'an empty' if not blank[0].strip() else 'a padded'} module name ({blank[0]!r})",
+                'give module names as the model writes them, e.g. ["q_proj", "v_proj"]',
+            )
 
 
 @dataclass(kw_only=True)

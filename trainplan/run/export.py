@@ -27,7 +27,7 @@ from trainplan import config as C
 from trainplan.errors import ConfigError
 from trainplan.features import lora
 from trainplan.features.lora.engine import apply_mode
-from trainplan.files import atomic_dir, read_json
+from trainplan.files import atomic_dir, read_json, refuse_special, safetensors_header
 from trainplan.resolve import resolve
 from trainplan.run import checkpoint, converter, generate, weights
 from trainplan.run.checkpoint.manager import model_fingerprint
@@ -59,6 +59,7 @@ class Source:
 def locate(path: Path, field: str) -> Source:
     """What `path` holds: a checkpoint (step-N/), a run directory (with result/), or a result."""
     path = Path(path)
+    refuse_special(path, field, "give a run directory, its result/ or a checkpoint")
     if (path / "manifest.json").is_file():
         reason = checkpoint.validate(path)
         if reason is not None:
@@ -159,6 +160,7 @@ def _load_trainable(path: Path, model: nn.Module, fmt: str, field: str) -> None:
     else:
         from safetensors.torch import load_file
 
+        _checked_weights(path / "model.safetensors", field)
         tensors = load_file(str(path / "model.safetensors"), device="cpu")
     wrong = sorted(set(tensors) ^ set(own)) or [k for k in own if tensors[k].shape != own[k].shape]
     if wrong:
@@ -240,8 +242,25 @@ def _copy_result(result: Path, tmp: Path, field: str) -> None:
     if not any(f.suffix == ".safetensors" for f in files):
         raise ConfigError(field, f"{str(result)!r} holds no .safetensors weights", "safetensors only: re-save it")
     for f in files:
+        if f.suffix == ".safetensors":
+            _checked_weights(f, field)
+    for f in files:
         if f.suffix not in WEIGHT_SUFFIXES:
             shutil.copy2(f, tmp / f.name)
+
+
+def _checked_weights(f: Path, field: str) -> None:
+    """A weights file an export copies or loads passes the checked header reader: a header that parses, known
+    dtypes, and every tensor's bytes inside the file and equal to its shape's. Random bytes, a cut file or
+    a header that lies are refused before anything is written."""
+    try:
+        safetensors_header(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            field,
+            f"{str(f)!r} is not a safetensors file trainplan can stand behind: {e}",
+            "export from one of the run's checkpoints, or train the run again",
+        ) from None
 
 
 def export(src: Source, out: Path, *, merge: bool, base: str | None, force: bool, field: str) -> dict:

@@ -20,7 +20,12 @@ from trainplan.features.torch_compile import engine as torch_compile
 from trainplan.files import DirLock, require_writable
 from trainplan.resolve import Resolved, model_facts, require_runnable, resolve
 from trainplan.run import data, dist, guard, measure, preflight, step, weights
-from trainplan.run.checkpoint.manager import checkpoint_root, refuse_foreign, refuse_unusable_resume
+from trainplan.run.checkpoint.manager import (
+    checkpoint_root,
+    refuse_foreign,
+    refuse_other_runs_checkpoint,
+    refuse_unusable_resume,
+)
 from trainplan.run.progress import Progress
 from trainplan.run.record import device_label
 from trainplan.spec.devices import cpu_native_16bit, parse_devices
@@ -134,6 +139,7 @@ def prepare(
     try:
         refuse_foreign(cfg)
         weights.is_pretrained(cfg)  # an architecture without weights is the user's to fix before any resource check
+        refuse_other_runs_checkpoint(dataclasses.replace(r, spec=weights.as_built(cfg, r.spec)))
         with progress.stage("preflight") as stage:  # every rank, before any builds its model
             widest = _widest_possible(cfg, data.packing_of(documents[0], cfg.data.packing))
             stage.result = preflight.check(env, checkpoint_root(cfg) if r.training else None, bill and bill(widest))

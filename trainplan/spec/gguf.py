@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 
 from trainplan.errors import ConfigError
+from trainplan.files import special
 
 _GGUF_TO_HF = {"llama": "llama", "qwen2": "qwen2", "gemma2": "gemma2", "phi3": "phi3", "gpt2": "gpt2"}
 
@@ -15,6 +16,11 @@ _GGUF_TO_HF = {"llama": "llama", "qwen2": "qwen2", "gemma2": "gemma2", "phi3": "
 # A header nests arrays no deeper than this (the published layout has none nested; a corrupt one could
 # recurse until Python's stack gives out).
 MAX_ARRAY_DEPTH = 4
+
+
+# The versions whose header layout this reader implements (ggml docs/gguf.md): 2 made counts and lengths 64-bit,
+# 3 added big-endian files, which announce themselves by a byte-swapped version (an unknown one here).
+KNOWN_VERSIONS = (2, 3)
 
 
 def _read_gguf_header(path: Path) -> tuple[dict, set[str]]:
@@ -30,6 +36,9 @@ def _read_gguf_header(path: Path) -> tuple[dict, set[str]]:
     """
 
     scalar = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+    what = special(path)
+    if what:
+        raise ValueError(f"it {what}")
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         data = f.read(min(size, 1 << 20))
@@ -96,8 +105,10 @@ def _read_gguf_header(path: Path) -> tuple[dict, set[str]]:
             raise ValueError("not a GGUF file (bad magic)")
         pos = 4
         version = unpack("<I", "the version")
-        if version < 2:
-            raise ValueError(f"GGUF version {version} is too old")
+        if version not in KNOWN_VERSIONS:  # another version's layout read as this one would be numbers made up
+            raise ValueError(
+                f"GGUF version {version} is not one this reader knows ({', '.join(map(str, KNOWN_VERSIONS))})"
+            )
         n_tensors = unpack("<Q", "the tensor count")
         n_kv = count("the metadata count", 8 + 4)  # each entry: a key's length and its value's type at least
         meta = {}

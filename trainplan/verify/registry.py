@@ -18,6 +18,7 @@ from pathlib import Path
 
 from trainplan import text
 from trainplan.errors import TrainplanError
+from trainplan.files import special
 from trainplan.spec.devices import format_gib
 
 DEFAULT = "~/.cache/trainplan/runs.sqlite"
@@ -64,6 +65,9 @@ def _connect(db: Path, *, create: bool) -> Iterator[sqlite3.Connection]:
     columns added to an older registry. Reading: the file is opened read-only and never altered. A
     file that is not a trainplan registry (another program's database, another schema) is one line
     naming --registry, in both cases: its tables are never touched."""
+    what = special(db) or ("is a directory" if db.is_dir() else None)
+    if what:  # SQLite would wait on a FIFO, or read a device
+        raise TrainplanError(f"--registry: {str(db)!r} {what}, not a run registry; give a file path, or --registry off")
     if not create and not db.is_file():
         raise TrainplanError(f"registry: no run registry at {db}; run `trainplan train` or `trainplan accept` first")
     try:

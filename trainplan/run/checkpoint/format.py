@@ -502,6 +502,17 @@ def _load_dcp(path: Path, model: nn.Module, optimizer) -> None:
     )
 
 
+def refuse_other_run(path: Path, state: dict, expect: dict) -> None:
+    """A checkpoint written for another model, mode or incompatible config is refused by name."""
+    for key, what in (("model_fingerprint", "model"), ("mode", "mode"), ("compat", "config")):
+        if state.get(key) != expect.get(key):
+            raise ConfigError(
+                "checkpoint.resume",
+                f"{path.name} was written for another {what} ({state.get(key)!r} vs this run's {expect.get(key)!r})",
+                "resume with the config that wrote it, or start without --resume",
+            )
+
+
 def load(path: Path, *, model: nn.Module, optimizer, scheduler, scaler, expect: dict, sharded: bool = False) -> dict:
     """Load a validated checkpoint into the run's objects; returns its state.json.
 
@@ -516,13 +527,7 @@ def load(path: Path, *, model: nn.Module, optimizer, scheduler, scaler, expect: 
     problem = _progress_problem(path, state)
     if problem:
         raise CheckpointError(f"checkpoint: {path} is not usable: {problem}")
-    for key, what in (("model_fingerprint", "model"), ("mode", "mode"), ("compat", "config")):
-        if state.get(key) != expect.get(key):
-            raise ConfigError(
-                "checkpoint.resume",
-                f"{path.name} was written for another {what} ({state.get(key)!r} vs this run's {expect.get(key)!r})",
-                "resume with the config that wrote it, or start without --resume",
-            )
+    refuse_other_run(path, state, expect)
     if state.get("format", "safetensors") == "dcp":
         _load_dcp(path, model, optimizer)
     elif sharded:

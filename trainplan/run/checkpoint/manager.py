@@ -11,7 +11,7 @@ from pathlib import Path
 
 from trainplan import config as C
 from trainplan.errors import ConfigError
-from trainplan.files import short_hash
+from trainplan.files import read_json, short_hash, special
 from trainplan.resolve import Resolved
 from trainplan.run import dist
 from trainplan.run.checkpoint import format as ckpt
@@ -43,6 +43,23 @@ def compat(r: Resolved) -> str:
     return short_hash(json.dumps(keep, sort_keys=True))
 
 
+def expected(r: Resolved) -> dict:
+    """What a checkpoint this run resumes must have been written for (checkpoint/format.py `refuse_other_run`)."""
+    return {"model_fingerprint": model_fingerprint(r), "mode": r.cfg.mode, "compat": compat(r)}
+
+
+def refuse_other_runs_checkpoint(r: Resolved) -> None:
+    """checkpoint.resume naming another model's, mode's or config's checkpoint: refused as the run starts, before
+    it writes anything (tensorboard, a tokenized cache), not after it has built its model. `r`: as built."""
+    resume = r.cfg.checkpoint.resume
+    if resume in ("", "auto"):
+        return
+    path = Path(resume)
+    state = read_json(path / "state.json", "checkpoint.resume")  # refuse_unusable_resume validated the directory
+    if isinstance(state, dict):
+        ckpt.refuse_other_run(path, state, expected(r))
+
+
 def checkpoint_root(cfg: C.RunConfig) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.train.output_dir) / "checkpoints"
 
@@ -55,8 +72,11 @@ def refuse_unusable_resume(cfg: C.RunConfig) -> None:
         return
     path = Path(resume)
     if not path.is_dir():
+        what = special(path) or ("is a file" if path.exists() else None)
         raise ConfigError(
-            "checkpoint.resume", f"no checkpoint at {resume!r}", 'give a step-NNNNNNNN directory or "auto"'
+            "checkpoint.resume",
+            f"{resume!r} {what}, not a checkpoint directory" if what else f"no checkpoint at {resume!r}",
+            'give a step-NNNNNNNN directory or "auto"',
         )
     reason = ckpt.validate(path, sums=False)
     if reason is not None:
@@ -101,7 +121,7 @@ class CheckpointManager:
         self.last: Path | None = None
         self.last_step, self.last_sampler = 0, None  # the step and data position `last` holds
         self.rolled_back_to: Path | None = None  # the previous rollback's checkpoint
-        self.expect = {"model_fingerprint": model_fingerprint(r), "mode": cfg.mode, "compat": compat(r)}
+        self.expect = expected(r)
         # This run's lineage: a fresh id, or the id of the run it resumes (set by maybe_resume).
         # Pruning and rollback touch only this lineage's checkpoints.
         self.run_id = env.gather(uuid.uuid4().hex[:12])[0]  # rank 0's, on every rank
