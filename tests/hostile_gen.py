@@ -392,3 +392,258 @@ COUNTS |= {"gguf": 25, "prompts": 25, "resume": 20}
 def cases(seed: int = 49) -> list[tuple[str, Builder]]:
     """Each case draws from its own generator (seed, class, index): the same case whichever others run."""
     return [(name, CLASSES[name](random.Random(f"{seed}/{name}/{i}"))) for name, n in COUNTS.items() for i in range(n)]
+
+
+# ---- round four (issue 68): special files, sniffed data, garbage weights, injected settings --------------------
+
+SPECIAL_KINDS = ("fifo", "zero", "null", "loop")
+SPECIAL_WORDS = {
+    "fifo": r"is a FIFO \(a named pipe\)",
+    "zero": r"is a character device",
+    "null": r"is a character device",
+    "loop": r"is a symlink loop",
+}
+
+
+def _special(d: Path, kind: str, name: str) -> Path:
+    """A path that is no regular file: a FIFO (which a reader would wait on forever), /dev/zero (endless),
+    /dev/null, or a symlink loop, named `name` in d where it is made there."""
+    if kind == "zero":
+        return Path("/dev/zero")
+    if kind == "null":
+        return Path("/dev/null")
+    p = d / name
+    if kind == "fifo":
+        import os
+
+        os.mkfifo(p)
+    else:
+        other = d / f"{name}.other"
+        p.symlink_to(other)
+        other.symlink_to(p)
+    return p
+
+
+def special_case(rng: random.Random) -> Builder:
+    """A FIFO, a device or a symlink loop where a reader expects a file (or a run directory): every reader
+    names what it found, in one line, without opening it."""
+    kind = rng.choice(SPECIAL_KINDS)
+    reader = rng.choice(
+        [
+            "model",
+            "model-json",
+            "model-gguf",
+            "config",
+            "data",
+            "advise-data",
+            "prompts",
+            "registry",
+            "export",
+            "resume",
+        ]
+    )
+
+    def build(d: Path) -> tuple[list[str], str]:
+        words = SPECIAL_WORDS[kind]
+        suffix = {"model-json": ".json", "model-gguf": ".gguf", "config": ".toml", "data": ".jsonl"}.get(reader, "")
+        p = _special(d, kind, f"thing{suffix}")
+        if reader.startswith("model"):
+            command = rng.choice([["plan", "--model"], ["trace", "--model"], ["advise", "--registry", "off"]])
+            return [*command, str(p), "--gpus", "cpu"], rf"^model\.source: '.*' {words}"
+        if reader == "config":
+            command = rng.choice([["plan"], ["trace"], ["train"], ["launch", "--target", "torchrun"]])
+            return [*command, str(p)], rf"^config: '.*' {words}"
+        if reader == "data":
+            (d / "tiny.json").write_text(json.dumps(TINY))
+            argv = ["train", "--model", str(d / "tiny.json"), "--set", "model.init=random", "--seq", "32"]
+            return [*argv, "--set", f"data.source={p}", "--output-dir", str(d / "out")], rf"^data\.source: '.*' {words}"
+        if reader == "advise-data":
+            return [
+                "advise",
+                "GPT-2",
+                "--registry",
+                "off",
+                "--data",
+                str(p),
+                "--out",
+                "x.toml",
+            ], rf"^--data: '.*' {words}"
+        if reader == "prompts":
+            return ["generate", "default", "--prompts", str(p)], rf"^--prompts: '.*' {words}"
+        if reader == "registry":
+            action = rng.choice([["list"], ["show", "1"], ["compare", "1", "2"]])
+            return ["runs", *action, "--registry", str(p)], rf"^--registry: '.*' {words}"
+        if reader == "export":
+            return ["export", str(p), "-o", str(d / "exported")], rf"^RUN_OR_CHECKPOINT: '.*' {words}"
+        (d / "tiny.json").write_text(json.dumps(TINY))
+        argv = ["train", "--model", str(d / "tiny.json"), "--set", "model.init=random", "--seq", "32"]
+        return [*argv, "--set", f"checkpoint.resume={p}", "--output-dir", str(d / "out")], (
+            rf"^checkpoint\.resume: '.*' {words}, not a checkpoint directory"
+        )
+
+    return build
+
+
+def sniffed_case(rng: random.Random) -> Builder:
+    """advise --data (which writes a config naming the data) given data that train refuses: the same reader
+    runs, so the same row is named, before --out is written."""
+    kind = rng.choice(["messages-string", "messages-empty", "empty-dir", "blank-rows", "null-row", "text-number"])
+
+    def build(d: Path) -> tuple[list[str], str]:
+        f = d / "data.jsonl"
+        n = rng.randrange(1, 5)
+        good = [json.dumps({"text": f"row {i}"}) for i in range(n)]
+        pattern = r"^--data: "
+        if kind == "messages-string":
+            f.write_text("\n".join([json.dumps({"messages": "hello " * rng.randrange(1, 9)})] * n) + "\n")
+            pattern = r"^--data: data\.jsonl:1: messages must be a non-empty list"
+        elif kind == "messages-empty":
+            f.write_text("\n".join([json.dumps({"messages": []})] * n) + "\n")
+            pattern = r"^--data: data\.jsonl:1: messages must be a non-empty list"
+        elif kind == "empty-dir":
+            f = d / "data"
+            f.mkdir()
+            pattern = r"^--data: '.*data' holds no non-empty document"
+        elif kind == "blank-rows":
+            f.write_text("\n".join([json.dumps({"text": " " * rng.randrange(0, 5)})] * n) + "\n")
+            pattern = r"^--data: '.*data\.jsonl' holds no non-empty document"
+        elif kind == "null-row":
+            rows = [*good]
+            rows.insert(rng.randrange(n + 1), "null")
+            f.write_text("\n".join(rows) + "\n")
+            pattern = r"^--data: data\.jsonl:\d+: is not a JSON object \(null\)"
+        else:
+            f.write_text("\n".join([json.dumps({"text": rng.randrange(10**6)})] * n) + "\n")
+        return ["advise", "GPT-2", "--registry", "off", "--gpus", "cpu", "--data", str(f), "--out", "x.toml"], pattern
+
+    return build
+
+
+def _safetensors(entries: dict, data: bytes) -> bytes:
+    head = json.dumps(entries).encode()
+    return len(head).to_bytes(8, "little") + head + data
+
+
+def weights_case(rng: random.Random) -> Builder:
+    """A run whose result/ weights are not what they say (random bytes, a header that lies about its length,
+    a tensor whose bytes do not match its shape, an unknown dtype, a file cut short): export refuses it and
+    writes nothing."""
+    kind = rng.choice(["bytes", "header-length", "shape", "dtype", "cut", "empty"])
+
+    def build(d: Path) -> tuple[list[str], str]:
+        run = d / "run"
+        result = run / "result"
+        result.mkdir(parents=True)
+        (result / "config.json").write_text(json.dumps(TINY))
+        f = result / "model.safetensors"
+        n = rng.randrange(1, 64)
+        good = {"w": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}}
+        if kind == "bytes":
+            f.write_bytes(_garbage(rng, rng.randrange(1, 4000)))
+        elif kind == "header-length":
+            f.write_bytes((10**12).to_bytes(8, "little") + b"{}" + bytes(8))
+        elif kind == "shape":
+            wrong = {"w": {"dtype": "F32", "shape": [n, 2], "data_offsets": [0, 4 * n]}}
+            f.write_bytes(_safetensors(wrong, bytes(4 * n)))
+        elif kind == "dtype":
+            wrong = {
+                "w": {"dtype": rng.choice(["F128", "Q4", "", "float32"]), "shape": [n], "data_offsets": [0, 4 * n]}
+            }
+            f.write_bytes(_safetensors(wrong, bytes(4 * n)))
+        elif kind == "cut":
+            f.write_bytes(_safetensors(good, bytes(4 * n))[: -rng.randrange(1, 4 * n + 1)])
+        else:
+            f.write_bytes(b"")
+        (run / "record.json").write_text(json.dumps({"config": {"mode": "full", "model": {"source": "x"}}}))
+        return ["export", str(run), "-o", str(d / "exported")], (
+            r"^RUN_OR_CHECKPOINT: '.*model\.safetensors' is not a safetensors file trainplan can stand behind"
+        )
+
+    return build
+
+
+def settings_case(rng: random.Random) -> Builder:
+    """A --set that would set more than its one key (a line break), a module name that is empty or padded,
+    and the figures past any run: --tokens, accept's --perturb-plan factor."""
+    kind = rng.choice(["newline", "carriage", "empty-module", "padded-module", "tokens", "perturb"])
+    command = rng.choice([["plan"], ["trace"], ["advise", "GPT-2", "--registry", "off"]])
+
+    def build(d: Path) -> tuple[list[str], str]:
+        if kind in ("newline", "carriage"):
+            brk = "\n" if kind == "newline" else rng.choice(["\r", "\r\n"])
+            key = rng.choice(["optim.lr=1e-4", "lora.r=8", 'precision="fp32"'])
+            extra = rng.choice(['mode="full"', "batch.seq_len=64", "[train]", 'hardware.gpus="cpu"'])
+            return [*command, "--set", f"{key}{brk}{extra}"], r"^--set: '.*' holds a line break"
+        if kind == "empty-module":
+            blank = rng.choice(['""', '" "', '"\\t"'])
+            return [*command, "--mode", "lora", "--set", f'lora.target_modules=["q_proj", {blank}]'], (
+                r"^lora\.target_modules: holds an empty module name"
+            )
+        if kind == "padded-module":
+            name = rng.choice(['" q_proj"', '"v_proj "'])
+            return [*command, "--mode", "lora", "--set", f"lora.target_modules=[{name}]"], (
+                r"^lora\.target_modules: holds a padded module name"
+            )
+        if kind == "tokens":
+            n = 10 ** rng.randrange(16, 40) + rng.randrange(10**6)
+            return [
+                "advise",
+                "GPT-2",
+                "--registry",
+                "off",
+                "--tokens",
+                str(n),
+            ], r"^--tokens: .* is past any training run"
+        factor = rng.choice(["nan", "inf", "-inf", "-1", "0", "-0.5", "1e9", "NaN"])
+        return ["accept", "--perturb-plan", f"activations={factor}", "--output-dir", str(d / "acc")], (
+            r"^--perturb-plan: factor .* must be a number above 0"
+        )
+
+    return build
+
+
+def gguf_version_case(rng: random.Random) -> Builder:
+    """A GGUF whose version this reader does not know (0, 1, 4 and past, a big-endian file's byte-swapped 3):
+    refused with the version found, never read as if it were 3."""
+    version = rng.choice([0, 1, 4, 5, 99, 2**31, 0x03000000])
+
+    def build(d: Path) -> tuple[list[str], str]:
+        f = d / "model.gguf"
+        f.write_bytes(b"GGUF" + version.to_bytes(4, "little") + bytes(rng.randrange(16, 64)))
+        command = rng.choice([["plan", "--model"], ["trace", "--model"], ["advise", "--registry", "off"]])
+        return [*command, str(f), "--gpus", "cpu"], rf"^model\.source: .*GGUF version {version} is not one"
+
+    return build
+
+
+def output_path_case(rng: random.Random) -> Builder:
+    """An output that cannot be written: the error names the path the user gave, never the temporary sibling
+    the atomic write goes through."""
+    where = rng.choice(["proc", "sys", "under-a-file"])
+    command = rng.choice(
+        [["plan", "--model", "GPT-2", "--gpus", "cpu", "-o"], ["advise", "GPT-2", "--registry", "off", "--out"]]
+    )
+
+    def build(d: Path) -> tuple[list[str], str]:
+        name = f"x{rng.randrange(1000)}.{'json' if command[0] == 'plan' else 'toml'}"
+        if where == "under-a-file":
+            (d / "afile").write_text("x")
+            target = d / "afile" / name
+        else:
+            target = Path(f"/{where}") / name
+        flag = "--output" if command[0] == "plan" else "--out"
+        return [*command, str(target)], rf"^{flag}: cannot write '{re.escape(str(target))}' \("
+
+    return build
+
+
+CLASSES |= {
+    "special": special_case,
+    "sniffed": sniffed_case,
+    "weights": weights_case,
+    "settings": settings_case,
+    "gguf-version": gguf_version_case,
+    "output-path": output_path_case,
+}
+ROUND_FOUR = ("special", "sniffed", "weights", "settings", "gguf-version", "output-path")
+COUNTS |= {"special": 30, "sniffed": 15, "weights": 12, "settings": 18, "gguf-version": 8, "output-path": 8}
