@@ -74,4 +74,4 @@ docs-figures: $(VENV)/.installed
 bench: $(VENV)/.installed bytecode
 	$(PY) bench/plan_speed.py
 	$(PY) bench/trace_accuracy.py --quick
-	$(PY) bench/train_throughput.py
+	$(PY) bench/train_throughput.py --paired --compile --steps 12
