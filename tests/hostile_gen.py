@@ -573,7 +573,11 @@ def settings_case(rng: random.Random) -> Builder:
             brk = "\n" if kind == "newline" else rng.choice(["\r", "\r\n"])
             key = rng.choice(["optim.lr=1e-4", "lora.r=8", 'precision="fp32"'])
             extra = rng.choice(['mode="full"', "batch.seq_len=64", "[train]", 'hardware.gpus="cpu"'])
-            return [*command, "--set", f"{key}{brk}{extra}"], r"^--set: '.*' holds a line break"
+            return [
+                *command,
+                "--set",
+                f"{key}{brk}{extra}",
+            ], rf"^{re.escape(key.split('=')[0])}: the --set .* holds a control character \(a line break\)"
         if kind == "empty-module":
             blank = rng.choice(['""', '" "', '"\\t"'])
             return [*command, "--mode", "lora", "--set", f'lora.target_modules=["q_proj", {blank}]'], (

@@ -42,8 +42,11 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError("--set", f"{text!r} is not key=value", "write e.g. --set batch.seq_len=2048")
     key, raw = (s.strip() for s in text.split("=", 1))
     if "\n" in text or "\r" in text:  # TOML would read a second line as a second key
+        field = "--set" if "\n" in key or "\r" in key else key
         raise ConfigError(
-            "--set", f"{text[:60]!r} holds a line break", "give one key=value per --set, each on one line"
+            field,
+            f"the --set {text[:60]!r} holds a control character (a line break), which would set a second key",
+            "give one key=value per --set, each on one line",
         )
     try:
         doc = parse_nested(tomllib.loads, f"v = {raw}", "--set", f"the value of {key[:60]!r}")

@@ -200,18 +200,15 @@ def pinned_fsdp_shards(ctx: RankContext) -> tuple[int, int]:
     each padded parameter shard, and each gradient shard's non-blocking copy to the host lands in
     page-locked memory too; CUDA's caching host allocator rounds every one up to a power of two."""
     tp, shards, prec = ctx.tp, ctx.shards.w, ctx.prec
-    stored = prec.param_bytes if ctx.full else prec.frozen_bytes
-    grad_bytes = prec.grad_bytes if ctx.full else 0
+    stored, grad_bytes = (prec.param_bytes, prec.grad_bytes) if ctx.full else (prec.frozen_bytes, 0)
 
-    def held() -> tuple[int, int]:
+    def pinned() -> tuple[int, int]:  # once a stage and layout: the advisor asks it of every candidate
         padded = [_sharded_numel(t, tp, shards) for t in ctx.tensors.held]
-        return sum(_pow2(n * stored) for n in padded), sum(_pow2(n * grad_bytes) for n in padded)
+        adapters = sum(_pow2(_shard(s[0], math.prod(s[1:]), shards) * 4) for s in ctx.adapters.shapes)  # fp32, dim 0
+        return sum(_pow2(n * stored) for n in padded) + adapters, sum(_pow2(n * grad_bytes) for n in padded) + adapters
 
-    weights, grads = ctx.tensors.memo(("pinned shards", tp, shards, stored, grad_bytes), held)
-    for shape in ctx.adapters.shapes:  # fp32 adapters, sharded on dim 0 as well
-        n = _shard(shape[0], math.prod(shape[1:]), shards) * 4
-        weights, grads = weights + _pow2(n), grads + _pow2(n)
-    return weights, grads
+    lora = (ctx.cfg.lora.r, ctx.adapters.targets) if ctx.adapters.on else None
+    return ctx.tensors.memo(("pinned shards", tp, shards, stored, grad_bytes, lora), pinned)
 
 
 class GradTerm(NamedTuple):

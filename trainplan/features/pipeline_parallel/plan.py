@@ -4,6 +4,7 @@ ParallelDims.stage_layers, shared with the engine."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -68,10 +69,11 @@ def _sharded_stage(ctx: RankContext, bill: StepBill, terms: RankTerms) -> StepBi
     shard it receives) and reshards. The load holds the root unit whole: the pipeline shards it once the
     stage's module exists."""
     from trainplan.plan.phase import Bytes, PhaseBill, StepBill
-    from trainplan.plan.terms import lora_numel
 
     cb = ctx.cb
-    adapters = lora_numel(ctx) if ctx.adapters.on else 0
+    # the stage's adapter elements, under plan/terms.py lora_numel's key (summed once a stage, not once a plan)
+    key = ("lora numel", ctx.cfg.lora.r, ctx.adapters.targets, ctx.tp, False)
+    adapters = ctx.tensors.memo(key, lambda: sum(math.prod(s) for s in ctx.adapters.shapes)) if ctx.adapters.on else 0
     trainable = ctx.n_held if ctx.full else adapters
     gathered = ("every unit of the stage gathered, kept through the window", (ctx.n_held + adapters) * cb)
     unsharded = ("the window's unsharded gradients, reduced at its last backward", trainable * cb)

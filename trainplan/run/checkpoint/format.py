@@ -506,11 +506,8 @@ def refuse_other_run(path: Path, state: dict, expect: dict) -> None:
     """A checkpoint written for another model, mode or incompatible config is refused by name."""
     for key, what in (("model_fingerprint", "model"), ("mode", "mode"), ("compat", "config")):
         if state.get(key) != expect.get(key):
-            raise ConfigError(
-                "checkpoint.resume",
-                f"{path.name} was written for another {what} ({state.get(key)!r} vs this run's {expect.get(key)!r})",
-                "resume with the config that wrote it, or start without --resume",
-            )
+            why = f"{path.name} was written for another {what} ({state.get(key)!r} vs this run's {expect.get(key)!r})"
+            raise ConfigError("checkpoint.resume", why, "resume with the config that wrote it, or without --resume")
 
 
 def load(path: Path, *, model: nn.Module, optimizer, scheduler, scaler, expect: dict, sharded: bool = False) -> dict:
