@@ -129,12 +129,12 @@ def cuda_kernels() -> Iterator[None]:
         if torch.is_autocast_enabled("cpu"):  # autocast lowers SDPA's inputs; it does not know these ops
             dtype = torch.get_autocast_dtype("cpu")
             query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-        if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
+        same = query.shape[-1] == key.shape[-1] == value.shape[-1]  # flash: one width (not MLA's narrower values)
+        if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256 and same:
             return torch.ops.aten._scaled_dot_product_flash_attention(  # handles GQA natively
                 query, key, value, dropout_p, is_causal, False, scale=scale
             )[0]
-        if key.shape[-3] != query.shape[-3]:  # efficient attention wants equal head counts
-            groups = query.shape[-3] // key.shape[-3]
+        if (groups := query.shape[-3] // key.shape[-3]) != 1:  # efficient attention wants equal head counts
             key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale

@@ -101,11 +101,11 @@ def resolve(cfg: C.RunConfig, spec: ModelSpec | None = None) -> Resolved:
             f"{cfg.batch.seq_len} exceeds the model's context of {context} ({spec.name})",
             f"use batch.seq_len <= {context}, or set model.extend_context = true for RoPE-scaled use",
         )
-    if features.lora.on(cfg):
-        if spec.derived:  # its targets resolve against the real module's linear layers
-            from trainplan.spec import layout
+    if spec.derived:  # LoRA's targets resolve against the real module's linear layers; SDPA is as it declares
+        from trainplan.spec import layout
 
-            spec = layout.with_layout(spec, cfg.model.cache_dir)
+        spec = layout.with_layout(spec, cfg.model.cache_dir)
+    if features.lora.on(cfg):
         cfg = features.lora.with_modules(cfg, spec)
     for name in ("memory_budget", "host_mem"):  # refused now, whether or not this plan reads them
         if getattr(cfg.hardware, name):

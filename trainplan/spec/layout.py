@@ -15,7 +15,7 @@ from pathlib import Path
 
 from trainplan.errors import ConfigError, nearest
 
-VERSION = 1  # bump when what a layout lists changes
+VERSION = 2  # bump when what a layout lists changes (2: whether transformers runs SDPA for it)
 
 
 def cache_dir(base: str) -> Path:
@@ -32,12 +32,14 @@ def with_layout(spec, cache_base: str):
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     path = cache_dir(cache_base) / f"layout-{spec.model_type}-{digest}.json"
     try:
-        layout = json.loads(path.read_text())["layout"]
-        if not isinstance(layout, list):
+        entry = json.loads(path.read_text())
+        layout, sdpa = entry["layout"], entry["sdpa"]
+        if not isinstance(layout, list) or not isinstance(sdpa, bool):
             raise TypeError(layout)
     except (OSError, ValueError, KeyError, TypeError):  # absent or damaged: list it again
-        layout = meta_layout(spec.config)
-        _write(path, {"layout": layout, "key": key})
+        layout, sdpa = meta_layout(spec.config), transformers_supports_sdpa(spec.model_type)
+        _write(path, {"layout": layout, "sdpa": sdpa, "key": key})
+    _SDPA[spec.model_type] = sdpa  # a warm plan asks the cache, not transformers (which imports torch)
     return dataclasses.replace(spec, layout=tuple((name, tuple(shape)) for name, shape in layout))
 
 
@@ -47,10 +49,34 @@ def meta_layout(config: dict) -> list:
     import transformers
 
     causal_lm_type(config["model_type"])
-    hf = transformers.CONFIG_MAPPING[config["model_type"]](**config)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(hf)
+    try:
+        hf = transformers.CONFIG_MAPPING[config["model_type"]](**config)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(hf)
+    except Exception as e:  # transformers' own code refusing this config: the config's fault, in its words
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(
+            "model.source",
+            f"transformers {transformers.__version__} cannot build a {config['model_type']} model from this config "
+            f"({type(e).__name__}: {reason})",
+            "fix the config.json, or use the one the model was published with",
+        ) from None
     return [[name, list(p.shape)] for name, p in model.named_parameters()]
+
+
+_SDPA: dict[str, bool] = {}  # model_type -> its model class's `_supports_sdpa`, as the layout cache holds it
+
+
+def transformers_supports_sdpa(model_type: str) -> bool:
+    """What the architecture's transformers model class declares (`_supports_sdpa`: gpt-oss's sinks run eager)."""
+    if model_type in _SDPA:
+        return _SDPA[model_type]
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    _SDPA[model_type] = bool(getattr(getattr(transformers, name, None) if name else None, "_supports_sdpa", True))
+    return _SDPA[model_type]
 
 
 def _write(path: Path, entry: dict) -> None:

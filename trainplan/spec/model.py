@@ -107,8 +107,13 @@ class ModelSpec:
     # ---- module layout -------------------------------------------------------------
     @property
     def supports_sdpa(self) -> bool:
-        """transformers routes Gemma-2 (attention soft-capping) through eager attention only."""
-        return self.model_type != "gemma2"
+        """Whether transformers runs SDPA for this architecture: Gemma-2 (attention soft-capping) only eager; a
+        derived architecture as its model class declares (`_supports_sdpa`: gpt-oss's sinks are eager-only)."""
+        if self.model_type == "gemma2":
+            return False
+        from trainplan.spec.layout import transformers_supports_sdpa
+
+        return not self.derived or transformers_supports_sdpa(self.model_type)
 
     def attention(self, requested: str) -> str:
         """The attention implementation that will run for a requested one (auto | sdpa | eager)."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import TYPE_CHECKING
 
 from trainplan.errors import ConfigError
@@ -25,6 +26,14 @@ def on(cfg: RunConfig) -> bool:
 def with_modules(cfg: RunConfig, spec: ModelSpec) -> RunConfig:
     """cfg with its LoRA target sets ("attention", "all-linear") expanded to spec's module names."""
     modules = list(spec.lora_modules(cfg.lora.target_modules))
+    if not modules:  # "attention" on a layer with no attention projection (a Mamba or linear-attention layer)
+        known = sorted({lin.module for lin in spec.layer_linears})
+        raise ConfigError(
+            "lora.target_modules",
+            f"{', '.join(map(repr, cfg.lora.target_modules))} names no linear layer of {spec.name}: its first decoder "
+            f"layer has no attention projection (q_proj, v_proj or a fused qkv), only {', '.join(known) or 'none'}",
+            f"name the modules to adapt, e.g. target_modules = {json.dumps(known[:2])}",
+        )
     if modules == cfg.lora.target_modules:  # already module names (the advisor's rungs)
         return cfg
     return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, target_modules=modules))
