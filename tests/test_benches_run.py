@@ -27,6 +27,7 @@ QUICK = {
     "derived_plan_speed.py": (["--quick"], r"\| Qwen3 \(0\.6B-shaped\) \| lora \| [\d.]+ \| [\d.]+ \|"),
     "docs_figures.py": (["--quick"], r"README\.md holds the demo markers once"),
     "fit_reserve.py": (["--quick"], r"(?m)^class lora: [\d.]+% over \d+ rows"),
+    "model_sweep.py": (["--quick"], r"4 model_types of transformers [\d.]+, 8 plans: \d+ planned"),
     "plan_speed.py": (["--quick"], r"ratio trainplan/accelerate: figure [\d.]+x"),
     "qlora_published.py": (["--quick"], r"\| Llama-2 13B \| bnb\.nf4 \|"),
     "qlora_step.py": (["--quick"], r"\*\*total\*\*"),

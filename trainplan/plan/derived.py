@@ -157,6 +157,7 @@ def _derive(r) -> dict:
     so there is nothing to trace it against)."""
 
     spec, cfg = r.spec, r.cfg
+    _refuse_unbuildable_copies(spec)
     layout = [[name, list(shape)] for name, shape in spec.layout] if spec.layout else meta_layout(spec.config)
     casts = _layer_casts(r, layout)
     adapters = lora.on(cfg)
@@ -180,6 +181,28 @@ def _derive(r) -> dict:
         "layout": layout,
         "points": {f"{b}x{s}": layer[(b, s)] for b, s in POINTS},
     }
+
+
+def _refuse_unbuildable_copies(spec) -> None:
+    """The 1- and 2-layer copies the terms are derived from are built by transformers from the config with fewer
+    layers; where it refuses one (per-layer settings that name deeper layers: Gemma-4's per_layer_config), the
+    architecture cannot be derived, and that is said in one line, in transformers' words."""
+    import torch
+    import transformers
+
+    for depth in (1, 2):
+        try:
+            hf = transformers.CONFIG_MAPPING[spec.model_type](**_with_layers(spec.config, depth))
+            with torch.device("meta"):
+                transformers.AutoModelForCausalLM.from_config(hf)
+        except Exception as e:  # transformers' own validation of the shallow config
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            raise ConfigError(
+                "model.source",
+                f"{spec.model_type} has no hand-written terms, and its terms cannot be derived: transformers refuses "
+                f"a {depth}-layer copy of it ({type(e).__name__}: {reason})",
+                "its per-layer settings name deeper layers; this architecture is not planned yet",
+            ) from None
 
 
 def _trace(shallow, entering: dict, input_grads: bool) -> None:
