@@ -141,3 +141,18 @@ def test_per_layer_settings_no_shallow_copy_can_keep_are_refused_by_name(tmp_pat
         capsys,
         monkeypatch,
     )
+
+
+def test_a_forward_that_fails_on_its_own_config_is_refused_where_transformers_fails(tmp_path, capsys, monkeypatch):
+    """DeepSeek-V2's config class leaves num_experts_per_tok None by default; its router's topk then fails inside
+    transformers' forward: a refusal naming the file and line, not an internal error."""
+    fields = {k: v for k, v in DEEPSEEK_V3.items() if k not in ("n_group", "topk_group")}
+    path = _config(tmp_path, "deepseek_v2", **{**fields, "num_experts_per_tok": None})
+    _check(
+        ["plan", "--model", path, "--mode", "full", "--gpus", "H100-80GB", "--seq", "64"],
+        r"^model\.source: deepseek_v2 has no hand-written terms, and its own forward fails on this config in a "
+        r"[12]-layer copy, at modeling_deepseek_v2\.py:\d+ in forward \(TypeError: topk\(\)",
+        tmp_path,
+        capsys,
+        monkeypatch,
+    )

@@ -210,10 +210,38 @@ def _trace(shallow, entering: dict, input_grads: bool) -> None:
     faked, so the layer's saved tensors are one rank's share."""
     from trainplan.plan import tracestep
 
-    with tracestep.rank_zero(shallow.dims, shallow.dims.tp) as mesh:
-        tracestep.traced_step(
-            shallow, real=False, target=_target(shallow), world=1, mesh=mesh, entering=entering, input_grads=input_grads
-        )
+    try:
+        with tracestep.rank_zero(shallow.dims, shallow.dims.tp) as mesh:
+            tracestep.traced_step(
+                shallow,
+                real=False,
+                target=_target(shallow),
+                world=1,
+                mesh=mesh,
+                entering=entering,
+                input_grads=input_grads,
+            )
+    except Exception as e:
+        where = _in_transformers(e)
+        if where is None:  # trainplan's own code: an internal error, reported as one
+            raise
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise ConfigError(
+            "model.source",
+            f"{shallow.spec.model_type} has no hand-written terms, and its own forward fails on this config in a "
+            f"{shallow.spec.num_layers}-layer copy, at {where} ({type(e).__name__}: {reason})",
+            "check the config's values there (a default left None, a part the model needs besides text)",
+        ) from None
+
+
+def _in_transformers(e: BaseException) -> str | None:
+    """'modeling_x.py:123 in forward' where the deepest frame outside torch is transformers' own, else None."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename]
+    if not frames or "/transformers/" not in frames[-1].filename:
+        return None
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}"
 
 
 def shallow_job(r, batch: int, seq: int, depth: int):
