@@ -1,5 +1,7 @@
 """Loading weights: streamed from the mapped file into the model, never a second copy beside it."""
 
+import re
+
 import pytest
 
 from trainplan import config as C
@@ -56,22 +58,46 @@ def test_a_truncated_weights_file_is_one_line(tiny_run, tmp_path):
         weights.load_model(cfg, r.spec, r.precision, torch.device("cpu"))
 
 
-def test_mixtral_per_expert_weights_load_as_transformers_loads_them(tiny_run, tmp_path):
-    """Mixtral's files hold each expert's w1 / w3 / w2 and the router under block_sparse_moe; the model
-    holds them fused and stacked. The loader (run/experts.py) builds what transformers' from_pretrained
-    builds, tensor for tensor, with the file's bytes copied once into the model; a file short of an
-    expert is refused by name."""
+# a mixture's own fields, tiny: (model_type, config fields, a tensor of the published per-expert layout)
+MIXTURES = {
+    "mixtral": ({"num_local_experts": 3}, "model.layers.1.block_sparse_moe.experts.2.w1.weight"),
+    "qwen3_moe": (
+        {"num_experts": 3, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8},
+        "model.layers.1.mlp.experts.2.gate_proj.weight",
+    ),
+    "glm4_moe": (
+        {"n_routed_experts": 3, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "first_k_dense_replace": 1}
+        | {"n_group": 1, "topk_group": 1, "head_dim": 8},
+        "model.layers.1.mlp.experts.2.up_proj.weight",
+    ),
+    "deepseek_v3": (
+        {"n_routed_experts": 3, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "first_k_dense_replace": 1}
+        | {"n_group": 1, "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 8}
+        | {"qk_rope_head_dim": 8, "v_head_dim": 8},
+        "model.layers.1.mlp.experts.2.down_proj.weight",
+    ),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(MIXTURES))
+def test_a_mixtures_published_per_expert_weights_load_as_transformers_loads_them(model_type, tiny_run, tmp_path):
+    """Each expert's projections are tensors of their own in the files `save_pretrained` writes (and the Hub
+    publishes); the model holds them fused and stacked. The loader follows transformers' own conversion rules
+    (run/experts.py) and builds what from_pretrained builds, tensor for tensor, the file's bytes copied once into
+    the model; a file short of an expert is refused by name."""
     import transformers
     from safetensors.torch import load_file, save_file
 
     root, _ = tiny_run
+    fields, published = MIXTURES[model_type]
     small = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4}
-    config = transformers.MixtralConfig(**small, num_key_value_heads=2, vocab_size=49152, num_local_experts=3)
+    heads = 4 if model_type == "deepseek_v3" else 2
+    config = transformers.CONFIG_MAPPING[model_type](**small, **fields, num_key_value_heads=heads, vocab_size=49152)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "w")
     transformers.AutoTokenizer.from_pretrained(root / "weights").save_pretrained(tmp_path / "w")
     (file,) = (tmp_path / "w").glob("*.safetensors")
-    assert "model.layers.1.block_sparse_moe.experts.2.w3.weight" in load_file(file)  # the published layout
+    assert published in load_file(file)  # the published layout
     sets = [f"model.source={tmp_path / 'w'}", "model.init=auto", "mode=full", "precision=fp32", "hardware.gpus=cpu"]
     cfg = C.load(None, [*sets, "batch.seq_len=32"])
     r = resolve(cfg)
@@ -80,7 +106,7 @@ def test_mixtral_per_expert_weights_load_as_transformers_loads_them(tiny_run, tm
     assert set(ours) == set(theirs)
     assert [k for k in theirs if not torch.equal(ours[k], theirs[k])] == []
     tensors = load_file(file)
-    del tensors["model.layers.1.block_sparse_moe.experts.2.w1.weight"]
+    del tensors[published]
     save_file(tensors, str(file), metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match=r"^model.source: weights are missing .*experts\.2\.w1\.weight; "):
+    with pytest.raises(ConfigError, match=rf"^model.source: weights are missing .*{re.escape(published[-30:])}; "):
         weights.load_model(cfg, r.spec, r.precision, torch.device("cpu"))

@@ -1,33 +1,84 @@
-"""A mixture's experts read from the checkpoint layout Mixtral's weights are published in: the router
-under `block_sparse_moe.gate`, and each expert's gate (w1), up (w3) and down (w2) as a tensor of its
-own, where transformers 5's model holds every layer's experts fused and stacked (`mlp.experts.gate_up_proj`
-[E, 2I, H], `mlp.experts.down_proj` [E, H, I], transformers' own conversion on its load). Each rank's
-part is copied from the memory-mapped file straight into the model's storage, piece by piece: a plain
-tensor whole, an FSDP2 shard its box of experts, a tp split its share of each part (packed)."""
+"""A mixture's experts read from the layout its checkpoints are published in, by transformers' own conversion
+rules (`transformers.conversion_mapping`, what `from_pretrained` applies): each expert's projections as tensors
+of their own (`mlp.experts.0.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.0.w1.weight`), where
+transformers 5's model holds every layer's experts fused and stacked (`mlp.experts.gate_up_proj` [E, 2I, H],
+`mlp.experts.down_proj` [E, H, I]). A rule's renamings (Mixtral's `block_sparse_moe` -> `mlp`) are read back the
+other way for the file's names. Each rank's part is copied from the memory-mapped file straight into the
+model's storage, piece by piece: a plain tensor whole, an FSDP2 shard its box of experts, a tp split its share
+of each part (packed)."""
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 
 from trainplan import _torch_private as P
 
-GATE_UP, DOWN, ROUTER = ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj", ".mlp.gate.weight"
+
+class Merge(NamedTuple):
+    """One of transformers' expert converters: the per-expert sources (`*` the expert's index) stacked on a new
+    dim 0 and, for several sources, concatenated along dim 1 in their order, into the model's `target`."""
+
+    sources: tuple[str, ...]
+    target: str
 
 
-def sources(name: str) -> list[str]:
-    """The file's tensors that make `name` (a model's state-dict key) in the per-expert layout; [] for
-    a key that has none (the expert count is read from the file: `missing` finds the first)."""
-    for suffix, parts in ((GATE_UP, ("w1", "w3")), (DOWN, ("w2",))):
-        if name.endswith(suffix):
-            layer = name.removesuffix(suffix)
-            return [f"{layer}.block_sparse_moe.experts.0.{w}.weight" for w in parts]
-    if name.endswith(ROUTER):
-        return [name.removesuffix(ROUTER) + ".block_sparse_moe.gate.weight"]
-    return []
+@functools.cache
+def rules(model_type: str) -> tuple[tuple[Merge, ...], tuple[tuple[str, str], ...]]:
+    """(the expert merges, the renamings as (file's, model's)) transformers registers for `model_type`; only the
+    shapes this loader reads: MergeModulelist(dim=0), then Concatenate(dim=1) where there are several sources."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    merges, renames = [], []
+    for rule in get_checkpoint_conversion_mapping(model_type) or ():
+        ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(rule, "operations", ())]
+        src, tgt = list(rule.source_patterns), list(rule.target_patterns)
+        if type(rule).__name__ == "WeightRenaming" and len(src) == len(tgt) == 1 and "*" not in src[0]:
+            renames.append((src[0], tgt[0]))
+        elif (
+            len(tgt) == 1
+            and all("*" in p for p in src)
+            and ops
+            in (
+                [("MergeModulelist", 0)],
+                [("MergeModulelist", 0), ("Concatenate", 1)],
+            )
+        ):
+            merges.append(Merge(sources=tuple(src), target=tgt[0]))
+    return tuple(merges), tuple(renames)
 
 
-def load(name: str, tensor: torch.Tensor, where: dict) -> None:
-    """Copy `name`'s experts (or router) from the per-expert files `where` maps into `tensor`."""
+def _as_filed(name: str, renames, where: dict) -> str:
+    """The file's name for the model's `name`: as it is, or with a renaming read back (the first that is there)."""
+    if name in where:
+        return name
+    for file_part, model_part in renames:
+        old = name.replace(model_part, file_part)
+        if old != name and old in where:
+            return old
+    for file_part, model_part in renames:  # none there: the published form, for the message
+        if model_part in name:
+            return name.replace(model_part, file_part)
+    return name
+
+
+def sources(name: str, model_type: str, where: dict) -> list[str]:
+    """The file's tensors that make the model's `name`: a renamed tensor (Mixtral's router), or the first expert's
+    tensors of a merge (the expert count is the model's: `load` reads every one); [] for a name with neither."""
+    merges, renames = rules(model_type)
+    for m in merges:
+        if name.endswith(m.target):
+            prefix = name[: len(name) - len(m.target)]
+            return [_as_filed(prefix + src.replace("*", "0"), renames, where) for src in m.sources]
+    filed = _as_filed(name, renames, where)
+    return [filed] if filed != name else []
+
+
+def load(name: str, tensor: torch.Tensor, where: dict, model_type: str) -> None:
+    """Copy `name`'s experts (or a renamed tensor) from the per-expert files `where` maps into `tensor`."""
+    merges, renames = rules(model_type)
 
     def read(key: str) -> torch.Tensor:  # a view of the mapped bytes: nothing allocated
         if key not in where:
@@ -35,21 +86,24 @@ def load(name: str, tensor: torch.Tensor, where: dict) -> None:
         with P.untracked():
             return where[key].tensor(key)
 
+    merge = next((m for m in merges if name.endswith(m.target)), None)
     for box, view in local_pieces(tensor):
-        if name.endswith(ROUTER):
-            view.copy_(read(sources(name)[0])[box])
+        if merge is None:  # renamed, not merged
+            view.copy_(read(_as_filed(name, renames, where))[box])
             continue
-        layer = name.rsplit(".mlp.", 1)[0] + ".block_sparse_moe.experts"
+        prefix = name[: len(name) - len(merge.target)]
         for j, e in enumerate(range(*box[0].indices(tensor.shape[0]))):
-            if name.endswith(DOWN):
-                view[j].copy_(read(f"{layer}.{e}.w2.weight")[box[1:]])
+            parts = [_as_filed(prefix + src.replace("*", str(e)), renames, where) for src in merge.sources]
+            if len(parts) == 1:
+                view[j].copy_(read(parts[0])[box[1:]])
                 continue
-            inter, rows = tensor.shape[1] // 2, range(*box[1].indices(tensor.shape[1]))
-            for w, lo in (("w1", 0), ("w3", inter)):  # the fused dim is [gate; up]
-                a, b = max(rows.start, lo), min(rows.stop, lo + inter)
+            rows, lo = range(*box[1].indices(tensor.shape[1])), 0
+            for part in parts:  # the concatenated dim 1 is the parts' rows in order ([gate; up])
+                whole = read(part)
+                a, b = max(rows.start, lo), min(rows.stop, lo + whole.shape[0])
                 if a < b:
-                    part = read(f"{layer}.{e}.{w}.weight")[a - lo : b - lo, box[2]]
-                    view[j, a - rows.start : b - rows.start].copy_(part)
+                    view[j, a - rows.start : b - rows.start].copy_(whole[a - lo : b - lo, box[2]])
+                lo += whole.shape[0]
 
 
 def local_pieces(tensor: torch.Tensor) -> list[tuple[tuple[slice, ...], torch.Tensor]]:

@@ -247,7 +247,7 @@ def _load_model(model: nn.Module, cfg: RunConfig, spec: ModelSpec, device: torch
     where = _tensor_files(files)
 
     def needs(src: str) -> list[str]:  # the file's tensors that make it: itself, or a mixture's per-expert ones
-        return [src] if src in where else experts.sources(src) or [src]
+        return [src] if src in where else experts.sources(src, spec.model_type, where) or [src]
 
     missing = [
         k
@@ -268,14 +268,14 @@ def _load_model(model: nn.Module, cfg: RunConfig, spec: ModelSpec, device: torch
             src_name = source_name[name]
             if src_name in where:
                 _load_one(where[src_name], src_name, tensor)
-            elif experts.sources(src_name):
-                _load_experts(src_name, tensor, where)
+            elif experts.sources(src_name, spec.model_type, where):
+                _load_experts(src_name, tensor, where, spec.model_type)
     return qlora.quantize(model, device) if four_bit else model
 
 
-def _load_experts(name: str, tensor: torch.Tensor, where: dict) -> None:
+def _load_experts(name: str, tensor: torch.Tensor, where: dict, model_type: str) -> None:
     try:
-        experts.load(name, tensor, where)
+        experts.load(name, tensor, where, model_type)
     except KeyError as e:
         fix = "the directory does not hold this architecture's weights"
         raise ConfigError("model.source", f"weights are missing {e.args[0]}", fix) from None
