@@ -17,6 +17,11 @@ EXIT_CODES_HELP = (
 )
 
 
+def in_its_words(e: BaseException, limit: int = 160) -> str:
+    """'TypeError: the first line of its message': another library's refusal, quoted on one line."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:limit]}".rstrip(": ")
+
+
 class TrainplanError(ValueError):
     """A user error: bad input, a refused configuration. The CLI prints it on one line, exit 2."""
 

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainplan.errors import ConfigError
+from trainplan.errors import ConfigError, in_its_words
 from trainplan.features import lora
 from trainplan.spec.layout import cache_dir, meta_layout
 
@@ -196,11 +196,10 @@ def _refuse_unbuildable_copies(spec) -> None:
             with torch.device("meta"):
                 transformers.AutoModelForCausalLM.from_config(hf)
         except Exception as e:  # transformers' own validation of the shallow config
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
             raise ConfigError(
                 "model.source",
                 f"{spec.model_type} has no hand-written terms, and its terms cannot be derived: transformers refuses "
-                f"a {depth}-layer copy of it ({type(e).__name__}: {reason})",
+                f"a {depth}-layer copy of it ({in_its_words(e)})",
                 "its per-layer settings name deeper layers; this architecture is not planned yet",
             ) from None
 
@@ -225,11 +224,10 @@ def _trace(shallow, entering: dict, input_grads: bool) -> None:
         where = _in_transformers(e)
         if where is None:  # trainplan's own code: an internal error, reported as one
             raise
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise ConfigError(
             "model.source",
             f"{shallow.spec.model_type} has no hand-written terms, and its own forward fails on this config in a "
-            f"{shallow.spec.num_layers}-layer copy, at {where} ({type(e).__name__}: {reason})",
+            f"{shallow.spec.num_layers}-layer copy, at {where} ({in_its_words(e)})",
             "check the config's values there (a default left None, a part the model needs besides text)",
         ) from None
 

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from trainplan.errors import ConfigError, nearest
+from trainplan.errors import ConfigError, in_its_words, nearest
 
 VERSION = 2  # bump when what a layout lists changes (2: whether transformers runs SDPA for it)
 
@@ -54,11 +54,10 @@ def meta_layout(config: dict) -> list:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(hf)
     except Exception as e:  # transformers' own code refusing this config: the config's fault, in its words
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise ConfigError(
             "model.source",
             f"transformers {transformers.__version__} cannot build a {config['model_type']} model from this config "
-            f"({type(e).__name__}: {reason})",
+            f"({in_its_words(e, 200)})",
             "fix the config.json, or use the one the model was published with",
         ) from None
     return [[name, list(p.shape)] for name, p in model.named_parameters()]
