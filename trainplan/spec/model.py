@@ -384,14 +384,11 @@ def from_hf_config(cfg: dict, *, name: str, where: str = "config.json") -> Model
     mt = cfg.get("model_type")
     derived = mt not in SUPPORTED_MODEL_TYPES
     if derived and not (isinstance(mt, str) and mt and all(k in cfg for k in DERIVABLE_KEYS)):
+        lacks = ", ".join([k for k in DERIVABLE_KEYS if k not in cfg] if isinstance(mt, str) and mt else ["model_type"])
         raise ConfigError(
             "model.source",
-            f"{where}: unsupported model_type {mt!r}",
-            "hand-written terms exist for "
-            + ", ".join(SUPPORTED_MODEL_TYPES)
-            + "; a decoder-only config with "
-            + ", ".join(DERIVABLE_KEYS)
-            + " gets terms derived from a trace",
+            f"{where}: unsupported model_type {mt!r}: no hand-written terms, and no {lacks} for derived ones",
+            f"hand-written terms exist for {', '.join(SUPPORTED_MODEL_TYPES)}; derived: {', '.join(DERIVABLE_KEYS)}",
         )
     if mt == "gpt2":
         h = _req(cfg, "n_embd", where)
