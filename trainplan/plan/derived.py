@@ -227,16 +227,29 @@ def _trace(shallow, entering: dict, input_grads: bool) -> None:
         raise ConfigError(
             "model.source",
             f"{shallow.spec.model_type} has no hand-written terms, and its own forward fails on this config in a "
-            f"{shallow.spec.num_layers}-layer copy, at {where} ({in_its_words(e)})",
-            "check the config's values there (a default left None, a part the model needs besides text)",
+            f"{shallow.spec.num_layers}-layer copy, at {where} ({_why(e)})",
+            "this architecture is not planned yet"
+            if _reads_values(e)
+            else "check the config's values there (a default left None, a part the model needs besides text)",
         ) from None
+
+
+def _reads_values(e: BaseException) -> bool:
+    return type(e).__name__ in ("DataDependentOutputException", "DynamicOutputShapeException")
+
+
+def _why(e: BaseException) -> str:
+    if _reads_values(e):
+        return f"it reads tensor values ({in_its_words(e, 60)}), which a trace on fake tensors holds none of"
+    return in_its_words(e)
 
 
 def _in_transformers(e: BaseException) -> str | None:
     """'modeling_x.py:123 in forward' where the deepest frame outside torch is transformers' own, else None."""
     import traceback
 
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename]
+    passing = ("/torch/", "trainplan/_torch_private.py")  # torch, and the tracker's dispatch hook it passes through
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not any(p in f.filename for p in passing)]
     if not frames or "/transformers/" not in frames[-1].filename:
         return None
     return f"{Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}"
