@@ -160,7 +160,8 @@ def test_a_forward_that_fails_on_its_own_config_is_refused_where_transformers_fa
 
 def test_a_forward_that_reads_tensor_values_cannot_be_traced_and_says_so(tmp_path, capsys, monkeypatch):
     """JetMoE's router turns a tensor into a Python list; a trace on fake tensors has no values to give it."""
-    path = _config(tmp_path, "jetmoe", **TINY, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
+    fields = {"intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "num_key_value_heads": 4}
+    path = _config(tmp_path, "jetmoe", **TINY, **fields)
     _check(
         ["plan", "--model", path, "--mode", "full", "--gpus", "H100-80GB", "--seq", "64"],
         r"^model\.source: jetmoe has no hand-written terms, and its own forward fails .* at modeling_jetmoe\.py:\d+ "
