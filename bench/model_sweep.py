@@ -54,7 +54,7 @@ def sweep(types: list[str], tmp: Path) -> list[dict]:
                 code = "timeout"
             finally:
                 signal.alarm(0)
-            line = (err.getvalue().strip().splitlines() or [""])[-1]
+            line = (err.getvalue().strip().splitlines() or [""])[-1].replace(f"{tmp}/", "")  # the file's name
             rows.append({"type": t, "mode": mode, "code": code, "s": time.perf_counter() - t0, "line": line})
             print(f"{t:28s} {mode:4s} {code!s:7s} {rows[-1]['s']:6.1f} s  {line[:150]}", flush=True)
     return rows

@@ -120,10 +120,19 @@ def test_what_transformers_refuses_to_build_is_the_configs_fault_in_its_own_word
 
 
 def test_lora_on_a_hybrid_whose_first_layer_has_no_attention_names_what_it_has(tmp_path, capsys, monkeypatch):
-    path = _config(tmp_path, "bamba", **TINY, intermediate_size=128, num_key_value_heads=2)
+    """Jamba's first layer is a Mamba layer: LoRA's default 'attention' set names nothing there, and the refusal
+    says what the layer has. Full fine-tuning, which places no adapters, plans (its trace builds no adapters)."""
+    hybrid = {"num_key_value_heads": 2, "intermediate_size": 128, "num_experts": 2, "expert_layer_period": 2}
+    hybrid |= {"expert_layer_offset": 1, "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 8}
+    path = _config(tmp_path, "jamba", **TINY, **hybrid, mamba_dt_rank=8)
+    assert cli.main(["plan", "--model", path, "--mode", "full", "--gpus", "H100-80GB", "--seq", "64", "--json"]) in (
+        0,
+        1,
+    )
+    capsys.readouterr()
     _check(
         ["plan", "--model", path, "--mode", "lora", "--gpus", "H100-80GB", "--seq", "64"],
-        r"^lora\.target_modules: 'attention' names no linear layer of bamba: its first decoder layer has no attention "
+        r"^lora\.target_modules: 'attention' names no linear layer of jamba: its first decoder layer has no attention "
         r"projection .*, only .*in_proj",
         tmp_path,
         capsys,

@@ -200,7 +200,8 @@ def _refuse_unbuildable_copies(spec) -> None:
                 "model.source",
                 f"{spec.model_type} has no hand-written terms, and its terms cannot be derived: transformers refuses "
                 f"a {depth}-layer copy of it ({in_its_words(e)})",
-                "its per-layer settings name deeper layers; this architecture is not planned yet",
+                "this architecture is not planned yet (per-layer settings that name deeper layers, or a value its "
+                "config class validates)",
             ) from None
 
 

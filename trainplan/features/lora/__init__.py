@@ -26,6 +26,8 @@ def on(cfg: RunConfig) -> bool:
 def with_modules(cfg: RunConfig, spec: ModelSpec) -> RunConfig:
     """cfg with its LoRA target sets ("attention", "all-linear") expanded to spec's module names."""
     modules = list(spec.lora_modules(cfg.lora.target_modules))
+    if not modules and not on(cfg):  # no adapters to place: the unused setting stays as given
+        return cfg
     if not modules:  # "attention" on a layer with no attention projection (a Mamba or linear-attention layer)
         known = sorted({lin.module for lin in spec.layer_linears})
         raise ConfigError(
