@@ -179,3 +179,27 @@ def test_a_forward_that_reads_tensor_values_cannot_be_traced_and_says_so(tmp_pat
         capsys,
         monkeypatch,
     )
+
+
+# the 2026 flagships' presets: their parameter totals as their model cards state them (billions)
+PUBLISHED_TOTALS = {
+    "openai/gpt-oss-20b": 21,
+    "openai/gpt-oss-120b": 117,
+    "Qwen/Qwen3-30B-A3B": 30.5,
+    "Qwen/Qwen3-235B-A22B": 235,
+    "zai-org/GLM-4.5-Air": 106,
+    "deepseek-ai/DeepSeek-V3": 671,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_TOTALS))
+def test_the_2026_presets_hold_their_published_parameter_totals(name, tmp_path):
+    """The presets are transcribed from the published config.json files without network; each spec's parameter
+    count (from transformers' own module on the meta device, tests/spec/test_model.py) lands on the total its
+    model card states, to the card's rounding."""
+    from trainplan.spec import layout
+    from trainplan.spec import model as M
+
+    assert M.find_preset(name) == name
+    spec = layout.with_layout(M.load_model_spec(name), str(tmp_path))  # the module's own parameters, as planned
+    assert spec.num_params / 1e9 == pytest.approx(PUBLISHED_TOTALS[name], rel=0.02)
