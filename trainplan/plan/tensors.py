@@ -132,6 +132,15 @@ class StageTensors:
         """The stage's LoRA adapter tensors, tensor-parallel shards."""
         return self.memo(("lora", r, targets, tp), lambda: tuple(_lora_shapes(self.spec, r, targets, self.layers, tp)))
 
+    def lora_numel(self, r: int, targets: frozenset[str], tp: int, *, largest: bool = False) -> int:
+        """The stage's adapter elements on one tensor-parallel rank, or its largest adapter tensor's."""
+
+        def compute() -> int:
+            numels = [_numel(s) for s in self.lora_shapes(r, targets, tp)]
+            return max(numels, default=0) if largest else sum(numels)
+
+        return self.memo(("lora numel", r, targets, tp, largest), compute)
+
 
 def stage_tensors(spec: ModelSpec, dims: ParallelDims, stage: int) -> StageTensors:
     """The stage's tensors, computed once per spec, pipeline degree and stage."""

@@ -139,13 +139,9 @@ class AdapterTerm(NamedTuple):
 
 
 def lora_numel(ctx: RankContext, *, largest: bool = False) -> int:
-    """The stage's adapter elements on this tensor-parallel rank, or its largest adapter tensor's."""
-
-    def compute() -> int:
-        numels = [_numel(s) for s in ctx.adapters.shapes]
-        return max(numels, default=0) if largest else sum(numels)
-
-    return ctx.tensors.memo(("lora numel", ctx.cfg.lora.r, ctx.adapters.targets, ctx.tp, largest), compute)
+    """The stage's adapter elements on this tensor-parallel rank, or its largest adapter tensor's (none when
+    no adapters train: their targets are empty)."""
+    return ctx.tensors.lora_numel(ctx.cfg.lora.r, ctx.adapters.targets, ctx.tp, largest=largest)
 
 
 def adapter(ctx: RankContext) -> AdapterTerm:

@@ -139,7 +139,8 @@ def prepare(
     try:
         refuse_foreign(cfg)
         weights.is_pretrained(cfg)  # an architecture without weights is the user's to fix before any resource check
-        refuse_other_runs_checkpoint(dataclasses.replace(r, spec=weights.as_built(cfg, r.spec)))
+        r = dataclasses.replace(r, spec=weights.as_built(cfg, r.spec))  # the spec the weights' config.json gives
+        refuse_other_runs_checkpoint(r)
         with progress.stage("preflight") as stage:  # every rank, before any builds its model
             widest = _widest_possible(cfg, data.packing_of(documents[0], cfg.data.packing))
             stage.result = preflight.check(env, checkpoint_root(cfg) if r.training else None, bill and bill(widest))
@@ -167,7 +168,7 @@ def _lock(cfg: C.RunConfig, env: dist.DistEnv) -> tuple[DirLock, ...]:
 
 
 def _build(cfg: C.RunConfig, env: dist.DistEnv, r: Resolved, documents: tuple, locks: tuple, progress: Progress) -> Job:
-    r = dataclasses.replace(r, spec=weights.as_built(cfg, r.spec))
+    """r: as built (prepare gave it the weights' own config)."""
     if r.dims.shards_params and env.world == 1:  # zero3 on one process: FSDP2 over a one-rank mesh
         dist.join_alone(env, cfg.parallel.timeout_s)
     torch.manual_seed(cfg.train.seed)

@@ -22,6 +22,7 @@ from pathlib import Path
 from trainplan.errors import ConfigError
 from trainplan.files import nesting, refuse_special
 
+SOURCE_FIX = 'give a .txt, .jsonl, .json, .parquet or .csv file, a directory of them, or "default"'
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # (format, the columns it needs), in the order `auto` tries them on each row
 FORMAT_COLUMNS = (
@@ -61,9 +62,7 @@ def read(source: str, fmt: str, field: str, cache_dir: str | None) -> list[Docum
     """Every document of `source` (errors name `field`: data.source or data.eval_source)."""
     path = Path(source).expanduser()
     if source != "default":
-        refuse_special(
-            path, field, 'give a .txt, .jsonl, .json, .parquet or .csv file, a directory of them, or "default"'
-        )
+        refuse_special(path, field, SOURCE_FIX)
     plain = path.is_file() and path.suffix not in DATA_SUFFIXES or path.is_dir() and not _data_files(path)
     if fmt not in ("auto", "text") and (plain or source == "default"):
         raise ConfigError(
@@ -126,7 +125,7 @@ def check(source: str, fmt: str, field: str) -> str | None:
     if source == "default":
         return None
     path = Path(source).expanduser()
-    refuse_special(path, field, 'give a .txt, .jsonl, .json, .parquet or .csv file, a directory of them, or "default"')
+    refuse_special(path, field, SOURCE_FIX)  # before anything stats or opens it
     if not path.exists():
         if _HF_ID.match(source):
             return f"{field}: {source} (a Hub dataset) was not read here; train checks its rows"
@@ -157,7 +156,6 @@ def sniff(source: str, field: str) -> None:
     import codecs
 
     path = Path(source).expanduser()
-    refuse_special(path, field, "give a regular file or a directory")
     files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
     for p in files:
         if p.suffix == ".parquet" or path.is_dir() and p.suffix not in (*DATA_SUFFIXES, ".txt"):

@@ -4,7 +4,6 @@ ParallelDims.stage_layers, shared with the engine."""
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -71,9 +70,7 @@ def _sharded_stage(ctx: RankContext, bill: StepBill, terms: RankTerms) -> StepBi
     from trainplan.plan.phase import Bytes, PhaseBill, StepBill
 
     cb = ctx.cb
-    # the stage's adapter elements, under plan/terms.py lora_numel's key (summed once a stage, not once a plan)
-    key = ("lora numel", ctx.cfg.lora.r, ctx.adapters.targets, ctx.tp, False)
-    adapters = ctx.tensors.memo(key, lambda: sum(math.prod(s) for s in ctx.adapters.shapes)) if ctx.adapters.on else 0
+    adapters = ctx.tensors.lora_numel(ctx.cfg.lora.r, ctx.adapters.targets, ctx.tp)  # summed once a stage
     trainable = ctx.n_held if ctx.full else adapters
     gathered = ("every unit of the stage gathered, kept through the window", (ctx.n_held + adapters) * cb)
     unsharded = ("the window's unsharded gradients, reduced at its last backward", trainable * cb)
